@@ -1,0 +1,73 @@
+"""What an experts path is: it declares what it supports, packs weights once, and runs the layer.
+
+    router -> select_experts -> ExpertsPath.apply(prepared weights, x, topk_weights, topk_ids) -> [M, H]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cpumoe.reference import ACTIVATIONS
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertsConfig:
+    """Everything a path needs to know to say whether it can run a layer."""
+    hidden_size: int
+    inter_size: int
+    num_experts: int                      # experts held locally (rows of w13/w2)
+    top_k: int
+    dtype: torch.dtype
+    activation: str = "silu"
+    has_bias: bool = False
+    expert_parallel: bool = False         # an expert_map drops experts not on this shard
+    apply_router_weight_on_input: bool = False
+    quantization: str = "none"            # later: "int8_w8a8", "int4_w4a16", "fp8_w8a16", "mxfp4"
+
+
+@dataclass(slots=True)
+class PreparedExperts:
+    """Weights in the layout the path wants, made once after loading."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w2, self.w13_bias, self.w2_bias)
+                   if t is not None)
+
+
+class ExpertsPath:
+    """One way to run the experts. Subclasses set `name` and implement the three methods."""
+    name: str = "?"
+
+    def is_supported(self, config: ExpertsConfig) -> tuple[bool, str]:
+        """(True, "") when this path can run `config` on this machine, else (False, why not)."""
+        raise NotImplementedError
+
+    def prepare(self, w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None,
+                w2_bias: torch.Tensor | None) -> PreparedExperts:
+        raise NotImplementedError
+
+    def apply(self, prepared: PreparedExperts, config: ExpertsConfig, hidden_states: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+def check_common(config: ExpertsConfig) -> tuple[bool, str]:
+    """Checks every unquantized path shares."""
+    if config.quantization != "none":
+        return False, f"takes unquantized weights only, not {config.quantization}"
+    if config.activation not in ACTIVATIONS:
+        return False, f"no activation {config.activation!r}"
+    if config.apply_router_weight_on_input and config.top_k != 1:
+        return False, "apply_router_weight_on_input needs top_k == 1"
+    return True, ""

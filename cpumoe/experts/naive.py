@@ -1,0 +1,40 @@
+"""The naive path: a per-expert Python loop of PyTorch GEMMs in the input dtype, as a plain `nn.Module` MoE
+block runs it (transformers' eager experts). It is the baseline the fused kernels are measured against and
+the last resort of the oracle."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cpumoe.experts.base import ExpertsConfig, ExpertsPath, PreparedExperts, check_common
+from cpumoe.reference import activate
+
+
+class NaiveExperts(ExpertsPath):
+    name = "naive"
+
+    def is_supported(self, config: ExpertsConfig) -> tuple[bool, str]:
+        return check_common(config)
+
+    def prepare(self, w13, w2, w13_bias, w2_bias) -> PreparedExperts:
+        return PreparedExperts(w13=w13.contiguous(), w2=w2.contiguous(), w13_bias=w13_bias, w2_bias=w2_bias)
+
+    def apply(self, prepared, config, hidden_states, topk_weights, topk_ids, expert_map):
+        x = hidden_states
+        if config.apply_router_weight_on_input:
+            x = x * topk_weights.to(x.dtype)
+        local_ids = expert_map[topk_ids.long()] if expert_map is not None else topk_ids.long()  # [M, k]
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        inter = prepared.w2.shape[2]
+        for e in torch.unique(local_ids).tolist():
+            if e < 0:
+                continue
+            tokens, slots = torch.nonzero(local_ids == e, as_tuple=True)
+            h = F.linear(x[tokens], prepared.w13[e],
+                         prepared.w13_bias[e] if prepared.w13_bias is not None else None)  # [T, 2I]
+            a = activate(h[:, :inter].float(), h[:, inter:].float(), config.activation).to(x.dtype)
+            y = F.linear(a, prepared.w2[e], prepared.w2_bias[e] if prepared.w2_bias is not None else None)
+            if not config.apply_router_weight_on_input:
+                y = y.float() * topk_weights[tokens, slots, None]
+            out.index_add_(0, tokens, y.float())
+        return out.to(x.dtype)

@@ -1,0 +1,79 @@
+"""Thin wrappers over torch.ops.cpumoe.* plus their fake (meta) kernels, so the ops trace under
+torch.compile. Inputs are checked in C++ (csrc/torch/ops.cpp); errors arrive as RuntimeError/ValueError."""
+from __future__ import annotations
+
+import torch
+
+from cpumoe import _C  # noqa: F401  (loads the library that registers torch.ops.cpumoe)
+
+_BLOCK_COLS = 64
+_W13_BLOCK_INTER = 32
+
+
+def packed_shapes(hidden_size: int, inter_size: int, kernel: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((w13 blocks, elements per block), (w2 blocks, elements per block)) of one expert."""
+    return _C.packed_shapes(hidden_size, inter_size, kernel)
+
+
+def pack_w13(w13: torch.Tensor, kernel: str) -> torch.Tensor:
+    """[E, 2I, H] (gate rows, then up rows) -> the kernel's blocked layout [E, Ip/32, 64*Kp]."""
+    return torch.ops.cpumoe.pack_w13(w13, kernel)
+
+
+def pack_w2(w2: torch.Tensor, kernel: str) -> torch.Tensor:
+    """[E, H, I] -> the kernel's blocked layout [E, Hp/64, 64*Ip]."""
+    return torch.ops.cpumoe.pack_w2(w2, kernel)
+
+
+def pack_w13_bias(bias: torch.Tensor, padded_inter: int) -> torch.Tensor:
+    """[E, 2I] -> float32 [E, 2*Ip] in block order: per 32 intermediate columns, 32 gate then 32 up."""
+    E, two_i = bias.shape
+    inter = two_i // 2
+    pad = padded_inter - inter
+    gate = torch.nn.functional.pad(bias[:, :inter].float(), (0, pad))
+    up = torch.nn.functional.pad(bias[:, inter:].float(), (0, pad))
+    blocks = padded_inter // _W13_BLOCK_INTER
+    return torch.cat([gate.view(E, blocks, _W13_BLOCK_INTER), up.view(E, blocks, _W13_BLOCK_INTER)], dim=2).reshape(
+        E, 2 * padded_inter).contiguous()
+
+
+def pack_w2_bias(bias: torch.Tensor, padded_hidden: int) -> torch.Tensor:
+    """[E, H] -> float32 [E, Hp], zero-padded."""
+    return torch.nn.functional.pad(bias.float(), (0, padded_hidden - bias.shape[1])).contiguous()
+
+
+def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, *, kernel: str, activation: str = "silu",
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  expert_map: torch.Tensor | None = None, apply_router_weight_on_input: bool = False) -> torch.Tensor:
+    """The fused experts op over prepacked weights (see cpumoe.experts for who packs them)."""
+    return torch.ops.cpumoe.fused_experts(
+        hidden_states, w13, w2, topk_weights, topk_ids, kernel=kernel, activation=activation, w13_bias=w13_bias,
+        w2_bias=w2_bias, expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input)
+
+
+def cpu_features() -> list[str]:
+    return list(_C.cpu_features())
+
+
+def measure_read_bandwidth(nbytes: int = 1 << 30, repetitions: int = 5) -> tuple[float, float]:
+    """(best, median) GB/s of a multi-threaded streaming read of a buffer of nbytes (torch's thread count)."""
+    return _C.measure_read_bandwidth(nbytes, repetitions)
+
+
+@torch.library.register_fake("cpumoe::pack_w13")
+def _pack_w13_fake(w13, kernel):
+    (blocks, elems), _ = packed_shapes(w13.shape[2], w13.shape[1] // 2, kernel)
+    return w13.new_empty((w13.shape[0], blocks, elems))
+
+
+@torch.library.register_fake("cpumoe::pack_w2")
+def _pack_w2_fake(w2, kernel):
+    _, (blocks, elems) = packed_shapes(w2.shape[1], w2.shape[2], kernel)
+    return w2.new_empty((w2.shape[0], blocks, elems))
+
+
+@torch.library.register_fake("cpumoe::fused_experts")
+def _fused_experts_fake(hidden_states, w13, w2, topk_weights, topk_ids, *, kernel, activation, w13_bias=None,
+                        w2_bias=None, expert_map=None, apply_router_weight_on_input=False):
+    return torch.empty_like(hidden_states)

@@ -1,0 +1,126 @@
+#include "cpu_features.h"
+
+#include <algorithm>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#elif defined(__aarch64__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
+
+namespace cpumoe {
+namespace {
+
+#if defined(__x86_64__)
+std::vector<std::string> detect() {
+  std::vector<std::string> f;
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool fma = c & bit_FMA, f16c = c & bit_F16C, osxsave = c & bit_OSXSAVE;
+  unsigned long long xcr0 = 0;
+  if (osxsave) {
+    unsigned lo, hi;
+    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    xcr0 = (unsigned long long)hi << 32 | lo;
+  }
+  const bool os_avx = (xcr0 & 0x6) == 0x6, os_avx512 = (xcr0 & 0xe6) == 0xe6;
+  if (os_avx && fma) f.push_back("fma");
+  if (os_avx && f16c) f.push_back("f16c");
+  __cpuid_count(7, 0, a, b, c, d);
+  if (os_avx && (b & bit_AVX2)) f.push_back("avx2");
+  if (os_avx512) {
+    if (b & bit_AVX512F) f.push_back("avx512f");
+    if (b & bit_AVX512BW) f.push_back("avx512bw");
+    if (b & bit_AVX512VL) f.push_back("avx512vl");
+    if (c & bit_AVX512VNNI) f.push_back("avx512_vnni");
+    unsigned a1, b1, c1, d1;
+    __cpuid_count(7, 1, a1, b1, c1, d1);
+    if (a1 & (1u << 5)) f.push_back("avx512_bf16");
+  }
+  if (d & (1u << 24)) f.push_back("amx_tile");
+  return f;
+}
+#elif defined(__aarch64__)
+std::vector<std::string> detect() {
+  std::vector<std::string> f;
+  unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  if (hw & HWCAP_ASIMD) f.push_back("asimd");
+  if (hw & HWCAP_SVE) f.push_back("sve");
+  if (hw2 & HWCAP2_BF16) f.push_back("bf16");
+  if (hw2 & HWCAP2_I8MM) f.push_back("i8mm");
+  return f;
+}
+#else
+std::vector<std::string> detect() { return {}; }
+#endif
+
+struct PathSpec {
+  const char* name;
+  const KernelTable* (*table)();      // nullptr when not compiled for this architecture
+  std::vector<std::string> requires;  // CPU features
+};
+
+std::vector<PathSpec> specs() {
+  auto no_table = []() -> const KernelTable* { return nullptr; };
+  (void)no_table;
+  return {
+#if defined(__x86_64__)
+      {"x86-avx512bf16", [] { return &kernels_x86_avx512bf16(); }, {"avx512f", "avx512bw", "avx512_bf16"}},
+      {"x86-avx512", [] { return &kernels_x86_avx512(); }, {"avx512f", "avx512bw", "f16c", "fma"}},
+      {"x86-avx2", [] { return &kernels_x86_avx2(); }, {"avx2", "fma", "f16c"}},
+      {"arm-bfmmla", no_table, {"bf16"}},
+      {"arm-neon", no_table, {"asimd"}},
+#elif defined(__aarch64__)
+      {"x86-avx512bf16", no_table, {}},
+      {"x86-avx512", no_table, {}},
+      {"x86-avx2", no_table, {}},
+      {"arm-bfmmla", [] { return &kernels_arm_bfmmla(); }, {"bf16"}},
+      {"arm-neon", [] { return &kernels_arm_neon(); }, {"asimd"}},
+#endif
+      {"generic", [] { return &kernels_generic(); }, {}},
+  };
+}
+
+}  // namespace
+
+std::vector<std::string> cpu_features() {
+  static const std::vector<std::string> features = detect();
+  return features;
+}
+
+bool cpu_has(const std::string& feature) {
+  const auto& f = cpu_features();
+  return std::find(f.begin(), f.end(), feature) != f.end();
+}
+
+std::vector<KernelInfo> kernel_paths() {
+  std::vector<KernelInfo> out;
+  for (const PathSpec& s : specs()) {
+    KernelInfo info{s.table(), s.name, ""};
+    if (!info.table) {
+      info.unavailable = "not built for this architecture";
+    } else {
+      for (const std::string& req : s.requires)
+        if (!cpu_has(req)) {
+          info.unavailable = "CPU lacks " + req;
+          info.table = nullptr;
+          break;
+        }
+    }
+    out.push_back(info);
+  }
+  return out;
+}
+
+const KernelTable* find_kernel(const std::string& name, std::string* why) {
+  for (const KernelInfo& k : kernel_paths())
+    if (k.name == name) {
+      if (!k.table && why) *why = k.unavailable;
+      return k.table;
+    }
+  if (why) *why = "unknown kernel path '" + name + "'";
+  return nullptr;
+}
+
+}  // namespace cpumoe

@@ -1,0 +1,196 @@
+#include "fused_moe.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "pack.h"
+
+namespace cpumoe {
+namespace {
+
+// Rows of one expert handled by one item: enough to reuse a weight block from L2 many times, few
+// enough that a chunk of activations stays in L2 beside it.
+constexpr int64_t kRowChunk = 96;
+
+// Grow-only scratch memory, one per calling thread: a fresh allocation per call would page-fault its
+// way through tens of MB on every prefill.
+class Scratch {
+ public:
+  char* get(size_t bytes) {
+    if (bytes > size_) {
+      std::free(data_);
+      size_ = std::max(bytes, size_ + size_ / 2);
+      data_ = static_cast<char*>(std::aligned_alloc(64, round_up(size_, 64)));
+      if (!data_) throw std::bad_alloc();
+    }
+    return data_;
+  }
+  ~Scratch() { std::free(data_); }
+
+ private:
+  char* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+struct Item {
+  int32_t expert;
+  int32_t row_begin;  // in the expert-sorted row order
+  int32_t rows;
+  int32_t block;
+};
+
+std::vector<Item> make_items(const std::vector<int64_t>& offsets, int64_t blocks) {
+  std::vector<Item> items;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e)
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kRowChunk)
+      for (int64_t b = 0; b < blocks; ++b)
+        items.push_back({int32_t(e), int32_t(r), int32_t(std::min(kRowChunk, offsets[e + 1] - r)), int32_t(b)});
+  return items;
+}
+
+}  // namespace
+
+void parallel_items(const Parallel& parallel, int64_t n, const std::function<void(int64_t)>& fn) {
+  if (n <= 0) return;
+  int workers = int(std::min<int64_t>(std::max(parallel.workers, 1), n));
+  if (workers == 1 || !parallel.run) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  parallel.run(workers, [&](int) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  });
+}
+
+void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
+  const KernelTable& kt = *a.kernels;
+  const int64_t M = a.M, H = a.H, K = a.topk, es = dtype_size(a.dtype);
+  const PackedShape s13 = w13_packed_shape(H, a.I, kt.layout);
+  const PackedShape s2 = w2_packed_shape(H, a.I, kt.layout);
+  const int64_t Ip = s2.k, Hp = s2.blocks * kBlockCols;
+
+  // 1. Map ids to local experts and count rows per expert.
+  std::vector<int32_t> local(M * K);
+  std::vector<int64_t> offsets(a.local_experts + 1, 0);
+  for (int64_t i = 0; i < M * K; ++i) {
+    int32_t id = a.topk_ids[i];
+    if (id < 0 || id >= a.global_experts)
+      throw std::invalid_argument("topk_ids holds expert id " + std::to_string(id) + " at token " +
+                                  std::to_string(i / K) + ", outside [0, " + std::to_string(a.global_experts) + ")");
+    int32_t e = a.expert_map ? a.expert_map[id] : id;
+    if (e >= a.local_experts)
+      throw std::invalid_argument("expert_map maps expert " + std::to_string(id) + " to local id " +
+                                  std::to_string(e) + ", outside [0, " + std::to_string(a.local_experts) + ")");
+    local[i] = e;
+    if (e >= 0) ++offsets[e + 1];
+  }
+  for (int64_t e = 0; e < a.local_experts; ++e) offsets[e + 1] += offsets[e];
+  const int64_t rows = offsets[a.local_experts];
+
+  // 2. Scratch: padded/scaled input copy (when needed), sorted row tables, intermediate, w2 outputs.
+  const bool copy_input = a.apply_router_weight_on_input || s13.k != H;
+  auto align = [](int64_t b) { return round_up(b, 64); };
+  const int64_t bytes_x = copy_input ? align(M * s13.k * es) : 0;
+  const int64_t bytes_ptr = align(rows * int64_t(sizeof(void*)));
+  const int64_t bytes_scale = align(rows * 4), bytes_slot = align(M * K * 8);
+  const int64_t bytes_inter = align(rows * Ip * es), bytes_y = align(rows * Hp * 4);
+  static thread_local Scratch scratch;
+  char* base = scratch.get(bytes_x + 2 * bytes_ptr + bytes_scale + bytes_slot + bytes_inter + bytes_y + 64);
+  char* x_copy = base;
+  const void** a13 = reinterpret_cast<const void**>(x_copy + bytes_x);
+  const void** a2 = reinterpret_cast<const void**>(reinterpret_cast<char*>(a13) + bytes_ptr);
+  float* row_scale = reinterpret_cast<float*>(reinterpret_cast<char*>(a2) + bytes_ptr);
+  int64_t* slot_row = reinterpret_cast<int64_t*>(reinterpret_cast<char*>(row_scale) + bytes_scale);
+  char* inter = reinterpret_cast<char*>(slot_row) + bytes_slot;
+  float* ys = reinterpret_cast<float*>(inter + bytes_inter);
+
+  const char* x = static_cast<const char*>(a.hidden);
+  int64_t x_stride = H * es;
+  if (copy_input) {
+    for (int64_t t = 0; t < M; ++t) {
+      char* dst = x_copy + t * s13.k * es;
+      std::memset(dst + H * es, 0, (s13.k - H) * es);
+      if (!a.apply_router_weight_on_input) {
+        std::memcpy(dst, x + t * H * es, H * es);
+        continue;
+      }
+      const float w = a.topk_weights[t * K];  // k == 1 here, checked by the caller
+      for (int64_t h = 0; h < H; ++h) store_from_f32(dst, h, load_as_f32(x, t * H + h, a.dtype) * w, a.dtype);
+    }
+    x = x_copy;
+    x_stride = s13.k * es;
+  }
+
+  std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
+  for (int64_t i = 0; i < M * K; ++i) {
+    if (local[i] < 0) {
+      slot_row[i] = -1;
+      continue;
+    }
+    int64_t r = fill[local[i]]++;
+    slot_row[i] = r;
+    a13[r] = x + (i / K) * x_stride;
+    a2[r] = inter + r * Ip * es;
+    row_scale[r] = a.topk_weights[i];
+  }
+  const float* w2_scale = a.apply_router_weight_on_input ? nullptr : row_scale;
+
+  // 3. w13 with the activation fused: inter[r][Ip].
+  std::vector<Item> items13 = make_items(offsets, s13.blocks);
+  parallel_items(parallel, int64_t(items13.size()), [&](int64_t i) {
+    const Item& it = items13[i];
+    GemmTile t{};
+    t.a_rows = a13 + it.row_begin;
+    t.rows = it.rows;
+    t.k = s13.k;
+    t.b = static_cast<const char*>(a.w13) + (it.expert * s13.blocks + it.block) * s13.block_elems * es;
+    t.bias = a.w13_bias ? a.w13_bias + (it.expert * s13.blocks + it.block) * kBlockCols : nullptr;
+    t.out = inter + (it.row_begin * Ip + it.block * kW13BlockInter) * es;
+    t.out_stride = Ip;
+    t.out_cols = kW13BlockInter;
+    t.dtype = a.dtype;
+    t.act = a.act;
+    kt.w13_tile(t);
+  });
+
+  // 4. w2, scaled by the router weight: ys[r][Hp] float32.
+  std::vector<Item> items2 = make_items(offsets, s2.blocks);
+  parallel_items(parallel, int64_t(items2.size()), [&](int64_t i) {
+    const Item& it = items2[i];
+    GemmTile t{};
+    t.a_rows = a2 + it.row_begin;
+    t.rows = it.rows;
+    t.k = Ip;
+    t.b = static_cast<const char*>(a.w2) + (it.expert * s2.blocks + it.block) * s2.block_elems * es;
+    t.bias = a.w2_bias ? a.w2_bias + it.expert * Hp + it.block * kBlockCols : nullptr;
+    t.row_scale = w2_scale ? w2_scale + it.row_begin : nullptr;
+    t.out = ys + it.row_begin * Hp + it.block * kBlockCols;
+    t.out_stride = Hp;
+    t.out_cols = int(std::min<int64_t>(kBlockCols, H - it.block * kBlockCols));
+    t.dtype = a.dtype;
+    kt.w2_tile(t);
+  });
+
+  // 5. Combine: out[t] = sum over the token's slots, in slot order.
+  constexpr int64_t kTokensPerItem = 16;
+  parallel_items(parallel, (M + kTokensPerItem - 1) / kTokensPerItem, [&](int64_t i) {
+    std::vector<float> acc(H);
+    for (int64_t t = i * kTokensPerItem; t < std::min(M, (i + 1) * kTokensPerItem); ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < K; ++j) {
+        int64_t r = slot_row[t * K + j];
+        if (r < 0) continue;
+        const float* y = ys + r * Hp;
+        for (int64_t h = 0; h < H; ++h) acc[h] += y[h];
+      }
+      for (int64_t h = 0; h < H; ++h) store_from_f32(a.out, t * H + h, acc[h], a.dtype);
+    }
+  });
+}
+
+}  // namespace cpumoe

@@ -1,0 +1,50 @@
+// The fused MoE experts driver:
+//
+//   topk_ids/weights -> sort (token, slot) rows by local expert (counting sort; expert_map drops experts
+//   not on this shard) -> w13 tiles with the activation fused (rows x 32 intermediate columns) ->
+//   w2 tiles scaled by the router weight (rows x 64 hidden columns, float32) -> combine: each token sums
+//   its k rows in slot order.
+//
+// Work is split into (expert, row chunk, block) items pulled from an atomic counter by every worker, so
+// skewed routing still balances; each item writes its own outputs and the combine order is fixed, so the
+// result does not depend on the number of threads.
+#pragma once
+#include <cstdint>
+#include <functional>
+
+#include "kernels.h"
+
+namespace cpumoe {
+
+// Runs body(worker) once for each worker in [0, workers), concurrently.
+struct Parallel {
+  int workers = 1;
+  std::function<void(int, const std::function<void(int)>&)> run;
+};
+
+struct FusedMoeArgs {
+  const KernelTable* kernels = nullptr;
+  DType dtype = DType::kBFloat16;
+  Activation act = Activation::kSilu;
+  int64_t M = 0, H = 0, I = 0, topk = 0;
+  int64_t local_experts = 0;    // experts in the packed weights
+  int64_t global_experts = 0;   // range of topk_ids (== local_experts without expert_map)
+  const void* hidden = nullptr;          // [M][H]
+  const float* topk_weights = nullptr;   // [M][topk]
+  const int32_t* topk_ids = nullptr;     // [M][topk]
+  const int32_t* expert_map = nullptr;   // [global_experts] -> local id or -1; nullptr = identity
+  bool apply_router_weight_on_input = false;
+  const void* w13 = nullptr;             // packed, see pack.h
+  const void* w2 = nullptr;
+  const float* w13_bias = nullptr;       // [E][Ip/32][64] (gate 32, up 32 per block) or nullptr
+  const float* w2_bias = nullptr;        // [E][Hp] or nullptr
+  void* out = nullptr;                   // [M][H]
+};
+
+// Throws std::invalid_argument naming the problem (e.g. an expert id out of range).
+void fused_moe(const FusedMoeArgs& args, const Parallel& parallel);
+
+// Runs fn(i) for i in [0, n) over all workers, items handed out dynamically.
+void parallel_items(const Parallel& parallel, int64_t n, const std::function<void(int64_t)>& fn);
+
+}  // namespace cpumoe

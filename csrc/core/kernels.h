@@ -1,0 +1,71 @@
+// The interface every ISA unit implements: two register-blocked GEMM tiles over one packed 64-column
+// weight block. The fused MoE driver (fused_moe.cpp) owns routing order, scheduling and the combine; a
+// kernel unit only knows "rows of activations x one weight block".
+#pragma once
+#include "types.h"
+
+namespace cpumoe {
+
+struct GemmTile {
+  const void* const* a_rows;  // [rows] pointers to activation rows of `k` elements (dtype), k-padded
+  int rows;                   // 1..KernelTable::max_rows
+  int64_t k;                  // reduction length, a multiple of the layout's k alignment
+  const void* b;              // one packed block: 64 columns x k (Layout), dtype
+  const float* bias;          // [64] in the block's column order, or nullptr
+  const float* row_scale;     // [rows] multipliers of the w2 output (router weights), or nullptr
+  void* out;                  // w13: intermediate rows (dtype, 32 columns); w2: float32 rows (64 columns)
+  int64_t out_stride;         // elements between output rows
+  int out_cols;               // w2: columns to write (< 64 at the right edge of H); w13: unused (32)
+  DType dtype;                // activation and weight dtype
+  Activation act;             // w13 only
+};
+
+struct KernelTable {
+  const char* name;       // e.g. "x86-avx512bf16"
+  Layout layout;
+  int max_rows;           // rows per tile call
+  unsigned dtype_mask;    // bit (1 << int(DType)) set when the kernel takes that dtype
+  // w13 tile: out[r][0:32] = act(gate) * up for the block's 32 intermediate columns, rounded to dtype.
+  void (*w13_tile)(const GemmTile&);
+  // w2 tile: out[r][0:out_cols] = (a_r . b + bias) * row_scale[r], float32.
+  void (*w2_tile)(const GemmTile&);
+  bool supports(DType d) const { return (dtype_mask >> int(d)) & 1u; }
+};
+
+using TileFn = void (*)(const GemmTile&);
+
+// Splits a tile of t.rows rows into register tiles of at most max_rows, calling fns[n] for n rows.
+inline void run_row_tiles(const GemmTile& t, const TileFn* fns, int max_rows, int64_t out_elem_bytes) {
+  GemmTile sub = t;
+  for (int done = 0; done < t.rows;) {
+    int n = t.rows - done < max_rows ? t.rows - done : max_rows;
+    sub.rows = n;
+    sub.a_rows = t.a_rows + done;
+    sub.out = static_cast<char*>(t.out) + done * t.out_stride * out_elem_bytes;
+    sub.row_scale = t.row_scale ? t.row_scale + done : nullptr;
+    fns[n](sub);
+    done += n;
+  }
+}
+
+// Each unit defines its table; a unit not built for this architecture is absent at link time and
+// kernel_registry.cpp leaves it out.
+const KernelTable& kernels_generic();
+#if defined(__x86_64__)
+const KernelTable& kernels_x86_avx2();
+const KernelTable& kernels_x86_avx512();
+const KernelTable& kernels_x86_avx512bf16();
+#endif
+#if defined(__aarch64__)
+const KernelTable& kernels_arm_neon();
+const KernelTable& kernels_arm_bfmmla();
+#endif
+
+// Streaming read of `bytes` (a multiple of 256) with the widest loads the unit has; returns a checksum
+// so the loads cannot be optimised away.
+uint64_t stream_read_generic(const void* p, int64_t bytes);
+#if defined(__x86_64__)
+uint64_t stream_read_avx512(const void* p, int64_t bytes);
+#endif
+
+}  // namespace cpumoe

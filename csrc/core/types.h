@@ -1,0 +1,72 @@
+// Core types shared by every kernel unit. This directory (csrc/core) is free of PyTorch so it can be
+// cross-compiled for Arm and tested under qemu with a plain C++ driver.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace cpumoe {
+
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+enum class Activation : int { kSilu = 0, kGelu = 1, kGeluTanh = 2, kSwigluOai = 3 };
+
+// gpt-oss's clamped SwiGLU constants.
+constexpr float kSwigluOaiAlpha = 1.702f;
+constexpr float kSwigluOaiLimit = 7.0f;
+
+// How a kernel wants one 64-column block of a weight matrix laid out (see pack.h).
+enum class Layout : int {
+  kKN = 0,     // [K][64]        one row of 64 output columns per k: fp32-FMA kernels
+  kPairs = 1,  // [K/2][64][2]   k-pairs interleaved per column: x86 VDPBF16PS
+  kQuads = 2,  // [K/4][64][4]   k-quads per column: Arm BFMMLA (two columns = one 2x4 operand)
+};
+
+constexpr int kBlockCols = 64;     // output columns per packed block, for w13 and w2
+constexpr int kW13BlockInter = 32;  // a w13 block holds 32 gate rows then the 32 matching up rows
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline int layout_k_align(Layout l) { return l == Layout::kKN ? 1 : (l == Layout::kPairs ? 2 : 4); }
+inline int64_t dtype_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+inline const char* dtype_name(DType d) {
+  return d == DType::kFloat32 ? "float32" : (d == DType::kBFloat16 ? "bfloat16" : "float16");
+}
+
+// ---- scalar conversions (round-to-nearest-even, like torch's .to()) ----
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline float f16_to_f32(uint16_t h) {
+  _Float16 v;
+  std::memcpy(&v, &h, 2);
+  return float(v);
+}
+inline uint16_t f32_to_f16(float f) {
+  _Float16 v = _Float16(f);
+  uint16_t h;
+  std::memcpy(&h, &v, 2);
+  return h;
+}
+inline float load_as_f32(const void* p, int64_t i, DType d) {
+  switch (d) {
+    case DType::kFloat32: return static_cast<const float*>(p)[i];
+    case DType::kBFloat16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    default: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+inline void store_from_f32(void* p, int64_t i, float v, DType d) {
+  switch (d) {
+    case DType::kFloat32: static_cast<float*>(p)[i] = v; break;
+    case DType::kBFloat16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(v); break;
+    default: static_cast<uint16_t*>(p)[i] = f32_to_f16(v); break;
+  }
+}
+
+}  // namespace cpumoe

@@ -1,0 +1,213 @@
+// The one registration file: TORCH_LIBRARY(cpumoe) schemas and CPU kernels for the tensor ops, plus a few
+// plain Python functions (CPU features, kernel paths, bandwidth). Input checks live here so that the
+// PyTorch-free core can assume well-formed arguments.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <stdexcept>
+
+#include "../core/cpu_features.h"
+#include "../core/fused_moe.h"
+#include "../core/membw.h"
+#include "../core/pack.h"
+
+namespace cpumoe {
+namespace {
+
+Parallel torch_parallel() {
+  Parallel p;
+  p.workers = at::get_num_threads();
+  p.run = [](int n, const std::function<void(int)>& body) {
+    at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) body(int(i));
+    });
+  };
+  return p;
+}
+
+DType to_dtype(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kFloat16;
+    default: TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+Activation to_activation(const std::string& name) {
+  if (name == "silu") return Activation::kSilu;
+  if (name == "gelu") return Activation::kGelu;
+  if (name == "gelu_tanh") return Activation::kGeluTanh;
+  if (name == "swigluoai") return Activation::kSwigluOai;
+  TORCH_CHECK(false, "unknown activation '", name, "' (expected silu, gelu, gelu_tanh or swigluoai)");
+}
+
+const KernelTable& kernel_or_throw(const std::string& name) {
+  std::string why;
+  const KernelTable* k = find_kernel(name, &why);
+  TORCH_CHECK(k, "kernel path '", name, "' cannot run here: ", why);
+  return *k;
+}
+
+void check_dense(const at::Tensor& t, const char* what, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.dim() == dim, what, " must be ", dim, "-D, got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
+}
+
+at::Tensor pack(const at::Tensor& w, const std::string& kernel, bool is_w13) {
+  const char* what = is_w13 ? "w13" : "w2";
+  check_dense(w, what, 3);
+  const KernelTable& kt = kernel_or_throw(kernel);
+  const DType dt = to_dtype(w, what);
+  TORCH_CHECK(kt.supports(dt), "kernel path '", kernel, "' does not take ", dtype_name(dt), " weights");
+  const int64_t E = w.size(0);
+  int64_t H, I;
+  if (is_w13) {
+    TORCH_CHECK(w.size(1) % 2 == 0, "w13 must be [E, 2*I, H] (gate rows then up rows), got ", w.sizes());
+    I = w.size(1) / 2, H = w.size(2);
+  } else {
+    H = w.size(1), I = w.size(2);
+  }
+  TORCH_CHECK(E > 0 && H > 0 && I > 0, what, " has an empty dimension: ", w.sizes());
+  PackedShape s = is_w13 ? w13_packed_shape(H, I, kt.layout) : w2_packed_shape(H, I, kt.layout);
+  at::Tensor out = at::empty({E, s.blocks, s.block_elems}, w.options());
+  const void* src = w.data_ptr();
+  void* dst = out.data_ptr();
+  at::parallel_for(0, E, 1, [&](int64_t b, int64_t e) {
+    if (is_w13) pack_w13(src, dst, H, I, dt, kt.layout, b, e);
+    else pack_w2(src, dst, H, I, dt, kt.layout, b, e);
+  });
+  return out;
+}
+
+at::Tensor pack_w13_op(const at::Tensor& w13, std::string_view kernel) { return pack(w13, std::string(kernel), true); }
+at::Tensor pack_w2_op(const at::Tensor& w2, std::string_view kernel) { return pack(w2, std::string(kernel), false); }
+
+at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids, std::string_view kernel_name,
+                         std::string_view activation, const std::optional<at::Tensor>& w13_bias,
+                         const std::optional<at::Tensor>& w2_bias, const std::optional<at::Tensor>& expert_map,
+                         bool apply_router_weight_on_input) {
+  const KernelTable& kt = kernel_or_throw(std::string(kernel_name));
+  check_dense(hidden, "hidden_states", 2);
+  const DType dt = to_dtype(hidden, "hidden_states");
+  TORCH_CHECK(kt.supports(dt), "kernel path '", kt.name, "' does not take ", dtype_name(dt), " activations");
+  check_dense(w13, "packed w13", 3);
+  check_dense(w2, "packed w2", 3);
+  TORCH_CHECK(w13.scalar_type() == hidden.scalar_type() && w2.scalar_type() == hidden.scalar_type(),
+              "weights (", w13.scalar_type(), ", ", w2.scalar_type(), ") must have the dtype of hidden_states (",
+              hidden.scalar_type(), ")");
+  const int64_t M = hidden.size(0), H = hidden.size(1), E = w13.size(0);
+  const PackedShape s13 = w13_packed_shape(H, w13.size(1) * kW13BlockInter, kt.layout);
+  TORCH_CHECK(w13.size(2) == s13.block_elems,
+              "packed w13 does not match hidden size ", H, " for kernel '", kt.name, "': block of ", w13.size(2),
+              " elements, expected ", s13.block_elems, " (was it packed for another path or hidden size?)");
+  const int64_t Ip = w13.size(1) * kW13BlockInter;
+  const PackedShape s2 = w2_packed_shape(H, Ip, kt.layout);
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == s2.blocks && w2.size(2) == s2.block_elems,
+              "packed w2 has shape ", w2.sizes(), ", expected [", E, ", ", s2.blocks, ", ", s2.block_elems,
+              "] for hidden size ", H, " and packed intermediate size ", Ip);
+  check_dense(topk_weights, "topk_weights", 2);
+  check_dense(topk_ids, "topk_ids", 2);
+  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat, "topk_weights must be float32, got ", topk_weights.scalar_type());
+  TORCH_CHECK(topk_ids.scalar_type() == at::kInt, "topk_ids must be int32, got ", topk_ids.scalar_type());
+  TORCH_CHECK(topk_ids.size(0) == M && topk_weights.sizes() == topk_ids.sizes(),
+              "topk_weights ", topk_weights.sizes(), " and topk_ids ", topk_ids.sizes(), " must both be [", M, ", k]");
+  const int64_t K = topk_ids.size(1);
+  TORCH_CHECK(K >= 1, "top-k must be at least 1");
+  TORCH_CHECK(!apply_router_weight_on_input || K == 1,
+              "apply_router_weight_on_input needs top_k == 1, got ", K);
+
+  FusedMoeArgs a;
+  a.kernels = &kt;
+  a.dtype = dt;
+  a.act = to_activation(std::string(activation));
+  a.M = M, a.H = H, a.I = Ip, a.topk = K;
+  a.local_experts = E;
+  a.global_experts = E;
+  if (expert_map) {
+    check_dense(*expert_map, "expert_map", 1);
+    TORCH_CHECK(expert_map->scalar_type() == at::kInt, "expert_map must be int32, got ", expert_map->scalar_type());
+    a.expert_map = expert_map->data_ptr<int32_t>();
+    a.global_experts = expert_map->size(0);
+  }
+  if (w13_bias) {
+    check_dense(*w13_bias, "packed w13_bias", 2);
+    TORCH_CHECK(w13_bias->scalar_type() == at::kFloat && w13_bias->size(0) == E && w13_bias->size(1) == 2 * Ip,
+                "packed w13_bias must be float32 [", E, ", ", 2 * Ip, "], got ", w13_bias->scalar_type(), " ",
+                w13_bias->sizes());
+    a.w13_bias = w13_bias->data_ptr<float>();
+  }
+  if (w2_bias) {
+    check_dense(*w2_bias, "packed w2_bias", 2);
+    TORCH_CHECK(w2_bias->scalar_type() == at::kFloat && w2_bias->size(0) == E &&
+                    w2_bias->size(1) == s2.blocks * kBlockCols,
+                "packed w2_bias must be float32 [", E, ", ", s2.blocks * kBlockCols, "], got ",
+                w2_bias->scalar_type(), " ", w2_bias->sizes());
+    a.w2_bias = w2_bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty_like(hidden);
+  a.hidden = hidden.data_ptr();
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.topk_ids = topk_ids.data_ptr<int32_t>();
+  a.w13 = w13.data_ptr();
+  a.w2 = w2.data_ptr();
+  a.out = out.data_ptr();
+  a.apply_router_weight_on_input = apply_router_weight_on_input;
+  try {
+    fused_moe(a, torch_parallel());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cpumoe, m) {
+  m.def("pack_w13(Tensor w13, str kernel) -> Tensor");
+  m.def("pack_w2(Tensor w2, str kernel) -> Tensor");
+  m.def(
+      "fused_experts(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, *, "
+      "str kernel, str activation, Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? expert_map=None, "
+      "bool apply_router_weight_on_input=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
+  m.impl("pack_w13", &pack_w13_op);
+  m.impl("pack_w2", &pack_w2_op);
+  m.impl("fused_experts", &fused_experts);
+}
+
+}  // namespace cpumoe
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "cpumoe native helpers (tensor ops are under torch.ops.cpumoe)";
+  m.def("cpu_features", &cpumoe::cpu_features, "Usable CPU features, as /proc/cpuinfo names them");
+  m.def("kernel_paths", [] {
+    std::vector<std::tuple<std::string, std::string, std::string, int, std::vector<std::string>>> out;
+    const char* layouts[] = {"kn", "pairs", "quads"};
+    for (const auto& k : cpumoe::kernel_paths()) {
+      std::vector<std::string> dtypes;
+      if (k.table)
+        for (auto d : {cpumoe::DType::kFloat32, cpumoe::DType::kBFloat16, cpumoe::DType::kFloat16})
+          if (k.table->supports(d)) dtypes.push_back(cpumoe::dtype_name(d));
+      out.emplace_back(k.name, k.unavailable, k.table ? layouts[int(k.table->layout)] : "",
+                       k.table ? k.table->max_rows : 0, dtypes);
+    }
+    return out;
+  }, "(name, why unavailable or '', layout, rows per tile, dtypes) for every kernel path, fastest first");
+  m.def("packed_shapes", [](int64_t H, int64_t I, const std::string& kernel) {
+    const cpumoe::KernelTable& kt = cpumoe::kernel_or_throw(kernel);
+    auto a = cpumoe::w13_packed_shape(H, I, kt.layout), b = cpumoe::w2_packed_shape(H, I, kt.layout);
+    return std::make_tuple(std::make_tuple(a.blocks, a.block_elems), std::make_tuple(b.blocks, b.block_elems));
+  }, "((w13 blocks, block elems), (w2 blocks, block elems)) per expert for hidden H, intermediate I");
+  m.def("measure_read_bandwidth", [](int64_t bytes, int repetitions) {
+    auto r = cpumoe::measure_read_bandwidth(bytes, repetitions, cpumoe::torch_parallel());
+    return std::make_tuple(r.best_gbps, r.median_gbps);
+  }, pybind11::arg("bytes"), pybind11::arg("repetitions") = 5,
+     "(best, median) GB/s of a multi-threaded streaming read of a buffer of `bytes`",
+     pybind11::call_guard<pybind11::gil_scoped_release>());
+}

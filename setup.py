@@ -1,0 +1,53 @@
+"""Builds cpumoe._C: the PyTorch-free kernel core plus the TORCH_LIBRARY registration.
+
+One binary serves every x86-64 CPU: the base flags target plain x86-64, and each ISA unit (a file under
+csrc/core/x86 or csrc/core/arm named kernels_<isa>.cpp) gets its own -m flags; the path that runs is
+chosen at run time from the CPU's features.
+"""
+import glob
+import os
+import platform
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ISA_FLAGS = {
+    "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+    "kernels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "kernels_avx512bf16.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                               "-mfma", "-mf16c"],
+    "kernels_neon.cpp": [],
+    "kernels_bfmmla.cpp": ["-march=armv8.6-a+bf16+i8mm"],
+}
+
+
+class BuildWithIsaUnits(BuildExtension):
+    """Adds each ISA unit's flags to that file's compile command only."""
+
+    def build_extension(self, ext):
+        compile_one = self.compiler._compile
+
+        def compile_with_isa_flags(obj, src, ext_, cc_args, extra_postargs, pp_opts):
+            flags = ISA_FLAGS.get(os.path.basename(src), [])
+            return compile_one(obj, src, ext_, cc_args, list(extra_postargs) + flags, pp_opts)
+
+        self.compiler._compile = compile_with_isa_flags
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler._compile = compile_one
+
+
+arch_dir = {"x86_64": "x86", "AMD64": "x86", "aarch64": "arm", "arm64": "arm"}[platform.machine()]
+sources = sorted(glob.glob("csrc/core/*.cpp") + glob.glob(f"csrc/core/{arch_dir}/*.cpp") + ["csrc/torch/ops.cpp"])
+
+setup(
+    ext_modules=[
+        CppExtension(
+            "cpumoe._C",
+            sources,
+            extra_compile_args=["-O3", "-std=c++17", "-fno-math-errno", "-Wall", "-Wno-unused-function"],
+        )
+    ],
+    cmdclass={"build_ext": BuildWithIsaUnits.with_options(use_ninja=False)},
+)
