@@ -46,7 +46,10 @@ setup(
         CppExtension(
             "cpumoe._C",
             sources,
-            extra_compile_args=["-O3", "-std=c++17", "-fno-math-errno", "-Wall", "-Wno-unused-function"],
+            # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header; without it, it runs serially.
+            # The extension then shares the libgomp that torch has already loaded.
+            extra_compile_args=["-O3", "-std=c++17", "-fno-math-errno", "-fopenmp", "-Wall", "-Wno-unused-function"],
+            extra_link_args=["-fopenmp"],
         )
     ],
     cmdclass={"build_ext": BuildWithIsaUnits.with_options(use_ninja=False)},

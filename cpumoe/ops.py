@@ -10,19 +10,19 @@ _BLOCK_COLS = 64
 _W13_BLOCK_INTER = 32
 
 
-def packed_shapes(hidden_size: int, inter_size: int, kernel: str) -> tuple[tuple[int, int], tuple[int, int]]:
+def packed_shapes(hidden_size: int, inter_size: int, path: str) -> tuple[tuple[int, int], tuple[int, int]]:
     """((w13 blocks, elements per block), (w2 blocks, elements per block)) of one expert."""
-    return _C.packed_shapes(hidden_size, inter_size, kernel)
+    return _C.packed_shapes(hidden_size, inter_size, path)
 
 
-def pack_w13(w13: torch.Tensor, kernel: str) -> torch.Tensor:
+def pack_w13(w13: torch.Tensor, path: str) -> torch.Tensor:
     """[E, 2I, H] (gate rows, then up rows) -> the kernel's blocked layout [E, Ip/32, 64*Kp]."""
-    return torch.ops.cpumoe.pack_w13(w13, kernel)
+    return torch.ops.cpumoe.pack_w13(w13, path)
 
 
-def pack_w2(w2: torch.Tensor, kernel: str) -> torch.Tensor:
+def pack_w2(w2: torch.Tensor, path: str) -> torch.Tensor:
     """[E, H, I] -> the kernel's blocked layout [E, Hp/64, 64*Ip]."""
-    return torch.ops.cpumoe.pack_w2(w2, kernel)
+    return torch.ops.cpumoe.pack_w2(w2, path)
 
 
 def pack_w13_bias(bias: torch.Tensor, padded_inter: int) -> torch.Tensor:
@@ -43,12 +43,12 @@ def pack_w2_bias(bias: torch.Tensor, padded_hidden: int) -> torch.Tensor:
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, *, kernel: str, activation: str = "silu",
+                  topk_ids: torch.Tensor, *, path: str, activation: str = "silu",
                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                   expert_map: torch.Tensor | None = None, apply_router_weight_on_input: bool = False) -> torch.Tensor:
     """The fused experts op over prepacked weights (see cpumoe.experts for who packs them)."""
     return torch.ops.cpumoe.fused_experts(
-        hidden_states, w13, w2, topk_weights, topk_ids, kernel=kernel, activation=activation, w13_bias=w13_bias,
+        hidden_states, w13, w2, topk_weights, topk_ids, path=path, activation=activation, w13_bias=w13_bias,
         w2_bias=w2_bias, expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input)
 
 
@@ -62,18 +62,18 @@ def measure_read_bandwidth(nbytes: int = 1 << 30, repetitions: int = 5) -> tuple
 
 
 @torch.library.register_fake("cpumoe::pack_w13")
-def _pack_w13_fake(w13, kernel):
-    (blocks, elems), _ = packed_shapes(w13.shape[2], w13.shape[1] // 2, kernel)
+def _pack_w13_fake(w13, path):
+    (blocks, elems), _ = packed_shapes(w13.shape[2], w13.shape[1] // 2, path)
     return w13.new_empty((w13.shape[0], blocks, elems))
 
 
 @torch.library.register_fake("cpumoe::pack_w2")
-def _pack_w2_fake(w2, kernel):
-    _, (blocks, elems) = packed_shapes(w2.shape[1], w2.shape[2], kernel)
+def _pack_w2_fake(w2, path):
+    _, (blocks, elems) = packed_shapes(w2.shape[1], w2.shape[2], path)
     return w2.new_empty((w2.shape[0], blocks, elems))
 
 
 @torch.library.register_fake("cpumoe::fused_experts")
-def _fused_experts_fake(hidden_states, w13, w2, topk_weights, topk_ids, *, kernel, activation, w13_bias=None,
+def _fused_experts_fake(hidden_states, w13, w2, topk_weights, topk_ids, *, path, activation, w13_bias=None,
                         w2_bias=None, expert_map=None, apply_router_weight_on_input=False):
     return torch.empty_like(hidden_states)

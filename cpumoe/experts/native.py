@@ -43,7 +43,7 @@ class NativeExperts(ExpertsPath):
     def apply(self, prepared, config, hidden_states, topk_weights, topk_ids, expert_map):
         return ops.fused_experts(
             hidden_states.contiguous(), prepared.w13, prepared.w2, topk_weights.contiguous(),
-            topk_ids.contiguous(), kernel=self.name, activation=config.activation, w13_bias=prepared.w13_bias,
+            topk_ids.contiguous(), path=self.name, activation=config.activation, w13_bias=prepared.w13_bias,
             w2_bias=prepared.w2_bias, expert_map=expert_map,
             apply_router_weight_on_input=config.apply_router_weight_on_input)
 

@@ -12,9 +12,10 @@
 namespace cpumoe {
 namespace {
 
-// Rows of one expert handled by one item: enough to reuse a weight block from L2 many times, few
-// enough that a chunk of activations stays in L2 beside it.
-constexpr int64_t kRowChunk = 96;
+// Most rows of one expert handled by one item. An item streams its weight block (at most 64 x 2048 bf16 =
+// 256 KB, L2-resident) once from memory and reuses it for every register tile of rows, so larger chunks
+// mean less weight traffic; an expert with more rows is split into equal chunks so threads stay balanced.
+constexpr int64_t kMaxRowChunk = 256;
 
 // Grow-only scratch memory, one per calling thread: a fresh allocation per call would page-fault its
 // way through tens of MB on every prefill.
@@ -43,12 +44,17 @@ struct Item {
   int32_t block;
 };
 
-std::vector<Item> make_items(const std::vector<int64_t>& offsets, int64_t blocks) {
+std::vector<Item> make_items(const std::vector<int64_t>& offsets, int64_t blocks, int tile_rows) {
   std::vector<Item> items;
-  for (size_t e = 0; e + 1 < offsets.size(); ++e)
-    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kRowChunk)
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
+    const int64_t chunk = round_up((rows + chunks - 1) / chunks, tile_rows);
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += chunk)
       for (int64_t b = 0; b < blocks; ++b)
-        items.push_back({int32_t(e), int32_t(r), int32_t(std::min(kRowChunk, offsets[e + 1] - r)), int32_t(b)});
+        items.push_back({int32_t(e), int32_t(r), int32_t(std::min(chunk, offsets[e + 1] - r)), int32_t(b)});
+  }
   return items;
 }
 
@@ -141,7 +147,7 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
   const float* w2_scale = a.apply_router_weight_on_input ? nullptr : row_scale;
 
   // 3. w13 with the activation fused: inter[r][Ip].
-  std::vector<Item> items13 = make_items(offsets, s13.blocks);
+  std::vector<Item> items13 = make_items(offsets, s13.blocks, kt.max_rows);
   parallel_items(parallel, int64_t(items13.size()), [&](int64_t i) {
     const Item& it = items13[i];
     GemmTile t{};
@@ -159,7 +165,7 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
   });
 
   // 4. w2, scaled by the router weight: ys[r][Hp] float32.
-  std::vector<Item> items2 = make_items(offsets, s2.blocks);
+  std::vector<Item> items2 = make_items(offsets, s2.blocks, kt.max_rows);
   parallel_items(parallel, int64_t(items2.size()), [&](int64_t i) {
     const Item& it = items2[i];
     GemmTile t{};

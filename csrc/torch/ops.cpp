@@ -167,11 +167,11 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const 
 }  // namespace
 
 TORCH_LIBRARY(cpumoe, m) {
-  m.def("pack_w13(Tensor w13, str kernel) -> Tensor");
-  m.def("pack_w2(Tensor w2, str kernel) -> Tensor");
+  m.def("pack_w13(Tensor w13, str path) -> Tensor");
+  m.def("pack_w2(Tensor w2, str path) -> Tensor");
   m.def(
       "fused_experts(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, *, "
-      "str kernel, str activation, Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? expert_map=None, "
+      "str path, str activation, Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? expert_map=None, "
       "bool apply_router_weight_on_input=False) -> Tensor");
 }
 

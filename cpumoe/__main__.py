@@ -1,0 +1,4 @@
+"""`python -m cpumoe`: the same as the `cpumoe` command."""
+from cpumoe.cli import main
+
+raise SystemExit(main())

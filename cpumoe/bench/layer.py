@@ -1,0 +1,274 @@
+"""The MoE layer benchmark: one layer shape, every experts path this CPU can run, a list of token counts.
+
+    random weights (seeded, once) -> per path: FusedMoE(backend=path) -> per M: time layer(hidden, router_logits)
+                                  -> GFLOP/s, GB/s of the distinct experts touched, vs the machine's limits and naive
+
+The timed call includes routing (select_experts), as a model's forward does. Each path packs its own copy of the
+weights; layers are built one at a time and dropped after their cases, so at most the shared unpacked weights
+and one packed copy are alive. Shared experts are not part of the layer (FusedMoE runs the routed experts only).
+Each M reuses one input, so at small M the same few experts are read every repetition: when they fit in the last
+level cache, GB/s can exceed the memory bandwidth.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cpumoe.bench.machine import MachineInfo, measure_machine
+from cpumoe.experts import ExpertsConfig, all_paths, choose_path
+from cpumoe.layer import FusedMoE
+from cpumoe.presets import LayerPreset
+from cpumoe.routing import select_experts
+
+TARGET_S = 0.75       # time each case for about this long
+MIN_REPS = 3
+MAX_REPS = 1000
+SLOW_CALL_S = 2.0     # a call this slow (naive at large M) gets SLOW_REPS repetitions
+SLOW_REPS = 2
+QUICK_TARGET_S = 0.05  # --quick: one warm-up, then up to QUICK_MAX_REPS calls within about this long
+QUICK_MAX_REPS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCase:
+    """One timed call: M tokens through a layer of E experts, H x I each, k per token."""
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    tokens: int
+    dtype: torch.dtype
+    distinct_experts: int | None = None   # experts in this input's topk_ids; None: the most there can be
+
+    def flops(self) -> int:
+        """2 x M x k x 3 x H x I: w13 is [2I, H] and w2 [H, I] per expert."""
+        return 2 * self.tokens * self.top_k * 3 * self.hidden * self.inter
+
+    def expert_bytes(self) -> int:
+        return 3 * self.hidden * self.inter * self.dtype.itemsize
+
+    def bytes(self) -> int:
+        """Bytes of the distinct expert weights this input touches (biases not counted)."""
+        distinct = self.distinct_experts
+        if distinct is None:
+            distinct = min(self.experts, self.tokens * self.top_k)
+        return distinct * self.expert_bytes()
+
+
+@dataclass(slots=True)
+class LayerResult:
+    path: str
+    tokens: int
+    ms: float                    # median per call
+    repetitions: int
+    distinct_experts: int
+    gflops: float
+    gbs: float
+    bandwidth_pct: float         # gbs / measured read bandwidth
+    peak_pct: float              # gflops / measured GEMM peak
+    speedup_vs_naive: float | None = None
+
+
+@dataclass(slots=True)
+class LayerInputs:
+    case: LayerCase
+    hidden_states: torch.Tensor  # [M, H]
+    router_logits: torch.Tensor  # [M, E]
+
+
+def experts_config(preset: LayerPreset, dtype: torch.dtype) -> ExpertsConfig:
+    return ExpertsConfig(hidden_size=preset.hidden, inter_size=preset.inter, num_experts=preset.experts,
+                         top_k=preset.top_k, dtype=dtype, activation=preset.activation, has_bias=preset.bias,
+                         apply_router_weight_on_input=preset.router_weight_on_input)
+
+
+def select_paths(config: ExpertsConfig, names: Sequence[str] | None = None) -> list[str]:
+    """Every path that supports `config`, fastest first; or the named ones (ValueError if unknown/unsupported)."""
+    report = {p.name: p.is_supported(config) for p in all_paths()}
+    if names is None:
+        return [name for name, (ok, _) in report.items() if ok]
+    for name in names:
+        if name not in report:
+            raise ValueError(f"unknown path {name!r}; known: {', '.join(report)}")
+        ok, why = report[name]
+        if not ok:
+            raise ValueError(f"path {name!r} cannot run this layer: {why}")
+    return [name for name in report if name in names]
+
+
+def make_weights(preset: LayerPreset, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor | None]:
+    """Random w13 [E, 2I, H], w2 [E, H, I] (and biases) scaled by 1/sqrt(fan_in), made directly in `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    E, H, I = preset.experts, preset.hidden, preset.inter
+    w13 = torch.randn(E, 2 * I, H, generator=g, dtype=dtype).mul_(H**-0.5)  # [E, 2I, H]
+    w2 = torch.randn(E, H, I, generator=g, dtype=dtype).mul_(I**-0.5)       # [E, H, I]
+    w13_bias = torch.randn(E, 2 * I, generator=g, dtype=dtype).mul_(H**-0.5) if preset.bias else None
+    w2_bias = torch.randn(E, H, generator=g, dtype=dtype).mul_(I**-0.5) if preset.bias else None
+    return dict(w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def make_inputs(preset: LayerPreset, tokens: int, dtype: torch.dtype, seed: int = 1) -> LayerInputs:
+    g = torch.Generator().manual_seed(seed * 100_003 + tokens)
+    hidden_states = torch.randn(tokens, preset.hidden, generator=g).to(dtype)      # [M, H]
+    router_logits = torch.randn(tokens, preset.experts, generator=g).to(dtype)     # [M, E]
+    _, topk_ids = select_experts(router_logits, preset.top_k, scoring=preset.router_scoring,
+                                 renormalize=preset.renormalize)                   # [M, k]
+    case = LayerCase(hidden=preset.hidden, inter=preset.inter, experts=preset.experts, top_k=preset.top_k,
+                     tokens=tokens, dtype=dtype, distinct_experts=int(torch.unique(topk_ids).numel()))
+    return LayerInputs(case, hidden_states, router_logits)
+
+
+def build_layer(preset: LayerPreset, weights: dict[str, torch.Tensor | None], path: str) -> FusedMoE:
+    return FusedMoE(weights["w13"], weights["w2"], w13_bias=weights["w13_bias"], w2_bias=weights["w2_bias"],
+                    top_k=preset.top_k, activation=preset.activation, scoring=preset.router_scoring,
+                    renormalize=preset.renormalize, apply_router_weight_on_input=preset.router_weight_on_input,
+                    backend=path)
+
+
+def time_call(fn: Callable[[], object], *, quick: bool = False) -> tuple[float, int]:
+    """(median seconds per call, repetitions). Warm-up, then enough repetitions to last about TARGET_S."""
+    start = time.perf_counter()
+    fn()
+    estimate = time.perf_counter() - start
+    if quick:
+        repetitions = min(QUICK_MAX_REPS, max(1, math.ceil(QUICK_TARGET_S / max(estimate, 1e-9))))
+    elif estimate >= SLOW_CALL_S:
+        repetitions = SLOW_REPS
+    else:
+        warm_until = time.perf_counter() + min(0.2, 3 * estimate)
+        while time.perf_counter() < warm_until:
+            start = time.perf_counter()
+            fn()
+            estimate = min(estimate, time.perf_counter() - start)
+        repetitions = min(MAX_REPS, max(MIN_REPS, math.ceil(TARGET_S / max(estimate, 1e-9))))
+    times = []
+    for _ in range(repetitions):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), repetitions
+
+
+def measure_case(layer: FusedMoE, inputs: LayerInputs, path: str, machine: MachineInfo,
+                 quick: bool = False) -> LayerResult:
+    with torch.inference_mode():
+        seconds, repetitions = time_call(lambda: layer(inputs.hidden_states, inputs.router_logits), quick=quick)
+    case = inputs.case
+    gflops = case.flops() / seconds / 1e9
+    gbs = case.bytes() / seconds / 1e9
+    return LayerResult(path=path, tokens=case.tokens, ms=seconds * 1e3, repetitions=repetitions,
+                       distinct_experts=case.distinct_experts, gflops=gflops, gbs=gbs,
+                       bandwidth_pct=100 * gbs / machine.bandwidth_gbs, peak_pct=100 * gflops / machine.mm_gflops)
+
+
+def add_speedups(results: list[LayerResult]) -> None:
+    naive_ms = {r.tokens: r.ms for r in results if r.path == "naive"}
+    for r in results:
+        if r.tokens in naive_ms:
+            r.speedup_vs_naive = naive_ms[r.tokens] / r.ms
+
+
+def run_cases(preset: LayerPreset, dtype: torch.dtype, tokens: Sequence[int], paths: Sequence[str],
+              machine: MachineInfo, quick: bool = False, seed: int = 0,
+              on_case: Callable[[str], None] = lambda what: None) -> Iterator[LayerResult]:
+    """Yields one result per (path, M), path-major; only one path's packed weights live at a time.
+    `on_case` hears what is about to run (for a progress bar)."""
+    on_case("random weights")
+    weights = make_weights(preset, dtype, seed)
+    inputs = [make_inputs(preset, m, dtype, seed + 1) for m in tokens]
+    for path in paths:
+        on_case(f"{path}: packing weights")
+        layer = build_layer(preset, weights, path)
+        for case_inputs in inputs:
+            on_case(f"{path}: M={case_inputs.case.tokens}")
+            yield measure_case(layer, case_inputs, path, machine, quick)
+        del layer
+        gc.collect()
+
+
+def weights_nbytes(preset: LayerPreset, dtype: torch.dtype) -> int:
+    return preset.experts * 3 * preset.hidden * preset.inter * dtype.itemsize
+
+
+def bench_report(preset: LayerPreset, dtype: torch.dtype, machine: MachineInfo, chosen: str,
+                 results: list[LayerResult]) -> dict:
+    """Everything a run measured, as plain JSON-able data."""
+    layer = asdict(preset)
+    layer.update(dtype=str(dtype).removeprefix("torch."), weights_bytes=weights_nbytes(preset, dtype),
+                 oracle_choice=chosen)
+    return dict(machine=machine.to_dict(), layer=layer, results=[asdict(r) for r in results])
+
+
+def run_layer_bench(preset: LayerPreset, dtype: torch.dtype, tokens: Sequence[int], *,
+                    paths: Sequence[str] | None = None, quick: bool = False, machine: MachineInfo | None = None,
+                    progress: Console | None = None, seed: int = 0) -> dict:
+    """Measures the machine (unless given), runs every (path, M) case and returns bench_report's dict.
+    `progress`: the console to draw a progress bar on (None: no bar)."""
+    config = experts_config(preset, dtype)
+    names = select_paths(config, paths)
+    chosen = choose_path(config).name
+    results: list[LayerResult] = []
+    with _progress_bar(progress) as bar:
+        task = bar.add_task("measuring the machine", total=len(names) * len(tokens))
+        machine = machine or measure_machine(dtype, quick=quick)
+        for result in run_cases(preset, dtype, tokens, names, machine, quick, seed,
+                                on_case=lambda what: bar.update(task, description=what)):
+            results.append(result)
+            bar.advance(task)
+    add_speedups(results)
+    return bench_report(preset, dtype, machine, chosen, results)
+
+
+def _progress_bar(console: Console | None) -> Progress:
+    return Progress(TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, disable=console is None, transient=True)
+
+
+def render_layer_report(report: dict, console: Console) -> None:
+    """The run's header (layer, machine) and one table of every case, grouped by M."""
+    layer, machine = report["layer"], report["machine"]
+    console.print(_layer_line(layer))
+    console.print(f"[bold]CPU[/] {machine['cpu']}   [bold]features[/] {' '.join(machine['features'])}   "
+                  f"[bold]threads[/] {machine['threads']}")
+    console.print(f"[bold]read bandwidth[/] {machine['bandwidth_gbs']:.1f} GB/s   [bold]{machine['mm_dtype']} mm peak"
+                  f"[/] {machine['mm_gflops']:.0f} GFLOP/s ({machine['mm_size']}^3)   torch {machine['torch_version']}")
+    console.print(layer_table(report))
+
+
+def _layer_line(layer: dict) -> str:
+    expert_mb = layer["weights_bytes"] / layer["experts"] / 1e6
+    routing = f"{layer['scoring']} top-{layer['top_k']}" + (", renormalize" if layer["renormalize"] else "")
+    shared = f"   (its {layer['shared_experts']} shared expert(s) not included)" if layer["shared_experts"] else ""
+    return (f"[bold]{layer['name']}[/]  H={layer['hidden']} I={layer['inter']} E={layer['experts']} "
+            f"k={layer['top_k']}  {layer['dtype']}  {layer['activation']}  {routing}   weights "
+            f"{layer['weights_bytes'] / 1e9:.2f} GB ({expert_mb:.1f} MB/expert)   oracle picks "
+            f"[bold]{layer['oracle_choice']}[/]{shared}")
+
+
+def layer_table(report: dict) -> Table:
+    layer = report["layer"]
+    table = Table(title=f"{layer['name']} MoE layer, {layer['dtype']} (routing included)", title_justify="left")
+    for name in ("M", "experts hit", "path", "ms", "GFLOP/s", "GB/s", "% bandwidth", "% mm peak", "vs naive"):
+        table.add_column(name, justify="left" if name == "path" else "right", no_wrap=True)
+    results = report["results"]
+    path_order = list(dict.fromkeys(r["path"] for r in results))
+    for m in sorted({r["tokens"] for r in results}):
+        group = sorted((r for r in results if r["tokens"] == m), key=lambda r: path_order.index(r["path"]))
+        for i, r in enumerate(group):
+            speedup = r["speedup_vs_naive"]
+            path = f"[bold]{r['path']}[/]" if r["path"] == layer["oracle_choice"] else r["path"]
+            table.add_row(str(m) if i == 0 else "", str(r["distinct_experts"]) if i == 0 else "", path,
+                          f"{r['ms']:.3f}", f"{r['gflops']:.1f}", f"{r['gbs']:.1f}", f"{r['bandwidth_pct']:.0f}%",
+                          f"{r['peak_pct']:.0f}%", "" if speedup is None else f"{speedup:.2f}x",
+                          end_section=i == len(group) - 1)
+    return table

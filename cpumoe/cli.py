@@ -1,0 +1,186 @@
+"""The `cpumoe` command.
+
+    cpumoe info [--preset P] [--dtype bf16]        this CPU, the experts paths, and which one a layer gets
+    cpumoe bench layer --preset P --tokens 1,8,..  time one MoE layer on every path this CPU can run
+
+Each subcommand is a parser built by `_add_<name>` and a handler `_cmd_<name>(args) -> exit code`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+DEFAULT_PRESET = "qwen3-30b-a3b"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cpumoe", description="Mixture-of-Experts inference on CPUs.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_info(commands)
+    _add_bench(commands)
+    return parser
+
+
+# ---- argument types ---------------------------------------------------------------------------------------------
+
+def _preset(name: str):
+    from cpumoe.presets import get_preset
+    try:
+        return get_preset(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; choose from bf16, fp32, fp16")
+    return DTYPES[name]
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _console() -> Console:
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+# ---- cpumoe info ------------------------------------------------------------------------------------------------
+
+def _add_info(commands) -> None:
+    p = commands.add_parser("info", help="this CPU, the experts paths, and which one a layer gets")
+    p.add_argument("--preset", type=_preset, default=DEFAULT_PRESET, help=f"layer preset (default {DEFAULT_PRESET})")
+    p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="bf16 (default), fp32 or fp16")
+    p.set_defaults(func=_cmd_info)
+
+
+def _cmd_info(args) -> int:
+    from cpumoe import __version__, ops
+    from cpumoe.bench.layer import experts_config
+    from cpumoe.bench.machine import cpu_model
+    from cpumoe.experts import all_paths, choose_path, path_report
+
+    console = _console()
+    console.print(f"[bold]cpumoe[/] {__version__}   torch {torch.__version__}   threads {torch.get_num_threads()}")
+    console.print(f"[bold]CPU[/] {cpu_model()}")
+    console.print(f"[bold]features[/] {' '.join(ops.cpu_features()) or '(none detected)'}")
+    console.print(_paths_table(all_paths()))
+
+    preset, dtype = args.preset, args.dtype
+    config = experts_config(preset, dtype)
+    chosen = choose_path(config).name
+    console.print(f"\n[bold]{preset.name}[/] H={preset.hidden} I={preset.inter} E={preset.experts} k={preset.top_k} "
+                  f"{str(dtype).removeprefix('torch.')} {preset.activation}: the oracle chooses [bold]{chosen}[/]")
+    console.print(_choice_table(path_report(config), chosen))
+    return 0
+
+
+def _paths_table(paths) -> Table:
+    table = Table(title="experts paths (fastest first)", title_justify="left")
+    for name in ("path", "available", "dtypes", "layout"):
+        table.add_column(name, no_wrap=name != "layout")
+    for p in paths:
+        why = getattr(p, "unavailable", "")
+        table.add_row(p.name, f"no: {why}" if why else "yes", "/".join(getattr(p, "dtypes", ["any"])),
+                      getattr(p, "layout", "per-expert torch GEMMs"))
+    return table
+
+
+def _choice_table(report: list[tuple[str, bool, str]], chosen: str) -> Table:
+    table = Table(title="oracle, fastest first", title_justify="left")
+    table.add_column("path", no_wrap=True)
+    table.add_column("verdict")
+    for name, ok, why in report:
+        if name == chosen:
+            verdict = "[bold green]chosen[/]"
+        elif ok:
+            verdict = f"supported, ranked after {chosen}"
+        else:
+            verdict = f"not supported: {why}"
+        table.add_row(name, verdict)
+    return table
+
+
+# ---- cpumoe bench ... -------------------------------------------------------------------------------------------
+
+def _add_bench(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
+                                                                           metavar="BENCH")
+    p = bench.add_parser("layer", help="time one MoE layer on every experts path this CPU can run")
+    p.add_argument("--preset", type=_preset, default=DEFAULT_PRESET, help=f"layer preset (default {DEFAULT_PRESET})")
+    p.add_argument("--hidden", type=int, help="override H (with none of the preset's shape: a custom layer)")
+    p.add_argument("--inter", type=int, help="override I")
+    p.add_argument("--experts", type=int, help="override E")
+    p.add_argument("--topk", type=int, help="override k")
+    p.add_argument("--tokens", type=_positive_ints, default=[1, 8, 32, 128, 512, 2048],
+                   help="token counts M, comma-separated (default 1,8,32,128,512,2048)")
+    p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="bf16 (default), fp32 or fp16")
+    p.add_argument("--paths", type=_names, help="only these experts paths, comma-separated (default: all available)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--json", metavar="FILE", help="also write every result and the machine's limits here")
+    p.add_argument("--quick", action="store_true", help="1-3 repetitions per case and a quicker machine measurement")
+    p.set_defaults(func=_cmd_bench_layer)
+
+
+def _layer_preset(args):
+    """The preset, with any of --hidden/--inter/--experts/--topk replacing its shape."""
+    overrides = {field: value for field, value in
+                 (("hidden", args.hidden), ("inter", args.inter), ("experts", args.experts), ("top_k", args.topk))
+                 if value is not None}
+    if not overrides:
+        return args.preset
+    if min(overrides.values()) < 1:
+        sys.exit("cpumoe bench layer: error: --hidden/--inter/--experts/--topk must be positive")
+    preset = dataclasses.replace(args.preset, name="custom", **overrides)
+    if preset.top_k > preset.experts:
+        sys.exit(f"cpumoe bench layer: error: top-k {preset.top_k} exceeds {preset.experts} experts")
+    if preset.router_weight_on_input and preset.top_k != 1:
+        preset = dataclasses.replace(preset, router_weight_on_input=False)
+    return preset
+
+
+def _cmd_bench_layer(args) -> int:
+    from cpumoe.bench.layer import experts_config, render_layer_report, run_layer_bench, select_paths
+
+    if args.threads is not None:
+        if args.threads < 1:
+            sys.exit("cpumoe bench layer: error: --threads must be positive")
+        torch.set_num_threads(args.threads)
+    preset = _layer_preset(args)
+    console = _console()
+    try:
+        paths = select_paths(experts_config(preset, args.dtype), args.paths)
+    except ValueError as e:   # an unknown or unsupported --paths entry
+        sys.exit(f"cpumoe bench layer: error: {e}")
+    report = run_layer_bench(preset, args.dtype, args.tokens, paths=paths, quick=args.quick,
+                             progress=Console(stderr=True))
+    render_layer_report(report, console)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        console.print(f"results written to {args.json}")
+    return 0

@@ -1,0 +1,191 @@
+// Runs cpumoe::fused_moe without PyTorch, so the Arm kernel paths can be tested under qemu-aarch64
+// (tests/kernels/arm/test_arm_qemu.py builds it statically with the cross compiler).
+//
+//   driver                prints the CPU features and every kernel path with whether it can run here
+//   driver CASE_DIR...    the same, then runs each case: reads CASE_DIR/meta.txt and the arrays beside it,
+//                         packs the weights for the case's kernel path, writes CASE_DIR/out.bin
+//
+// meta.txt has one "key value" per line: kernel (a path name), dtype (float32, bfloat16, float16),
+// activation (silu, gelu, gelu_tanh, swigluoai), M, H, I, E (experts in the weights), topk,
+// global_experts (range of topk_ids), and 0/1 flags w13_bias, w2_bias, expert_map, router_weight_on_input.
+// Arrays are raw little-endian, row-major:
+//   hidden.bin [M][H] dtype, w13.bin [E][2I][H] dtype (gate rows then up rows), w2.bin [E][H][I] dtype,
+//   topk_weights.bin [M][topk] f32, topk_ids.bin [M][topk] i32, expert_map.bin [global_experts] i32,
+//   w13_bias.bin [E][2I] f32, w2_bias.bin [E][H] f32 (unpacked: reordered here as cpumoe/ops.py does)
+//   -> out.bin [M][H] dtype
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/cpu_features.h"
+#include "core/fused_moe.h"
+#include "core/pack.h"
+
+namespace {
+
+using namespace cpumoe;
+
+Parallel two_threads() {
+  Parallel p;
+  p.workers = 2;
+  p.run = [](int n, const std::function<void(int)>& body) {
+    std::vector<std::thread> threads;
+    for (int w = 1; w < n; ++w) threads.emplace_back(body, w);
+    body(0);
+    for (std::thread& t : threads) t.join();
+  };
+  return p;
+}
+
+class Meta {
+ public:
+  explicit Meta(const std::string& path) {
+    std::ifstream f(path);
+    if (!f) throw std::runtime_error("cannot open " + path);
+    std::string key, value;
+    while (f >> key >> value) values_[key] = value;
+  }
+  const std::string& str(const std::string& key) const {
+    auto it = values_.find(key);
+    if (it == values_.end()) throw std::runtime_error("meta.txt lacks '" + key + "'");
+    return it->second;
+  }
+  int64_t num(const std::string& key) const { return std::stoll(str(key)); }
+  bool flag(const std::string& key) const { return num(key) != 0; }
+
+ private:
+  std::map<std::string, std::string> values_;
+};
+
+std::vector<char> read_array(const std::string& path, int64_t bytes) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot open " + path);
+  std::vector<char> data((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (int64_t(data.size()) != bytes)
+    throw std::runtime_error(path + " holds " + std::to_string(data.size()) + " bytes, expected " +
+                             std::to_string(bytes));
+  return data;
+}
+
+DType parse_dtype(const std::string& s) {
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
+    if (s == dtype_name(d)) return d;
+  throw std::runtime_error("unknown dtype '" + s + "'");
+}
+
+Activation parse_activation(const std::string& s) {
+  if (s == "silu") return Activation::kSilu;
+  if (s == "gelu") return Activation::kGelu;
+  if (s == "gelu_tanh") return Activation::kGeluTanh;
+  if (s == "swigluoai") return Activation::kSwigluOai;
+  throw std::runtime_error("unknown activation '" + s + "'");
+}
+
+// [E][2I] -> [E][Ip/32][32 gate, 32 up], zero-padded (cpumoe/ops.py pack_w13_bias).
+std::vector<float> pack_w13_bias(const float* bias, int64_t E, int64_t I) {
+  const int64_t blocks = round_up(I, kW13BlockInter) / kW13BlockInter;
+  std::vector<float> out(E * blocks * kBlockCols, 0.0f);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t i = 0; i < I; ++i) {
+      float* block = out.data() + (e * blocks + i / kW13BlockInter) * kBlockCols;
+      block[i % kW13BlockInter] = bias[e * 2 * I + i];
+      block[kW13BlockInter + i % kW13BlockInter] = bias[e * 2 * I + I + i];
+    }
+  return out;
+}
+
+// [E][H] -> [E][Hp], zero-padded (cpumoe/ops.py pack_w2_bias).
+std::vector<float> pack_w2_bias(const float* bias, int64_t E, int64_t H) {
+  const int64_t Hp = round_up(H, kBlockCols);
+  std::vector<float> out(E * Hp, 0.0f);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t h = 0; h < H; ++h) out[e * Hp + h] = bias[e * H + h];
+  return out;
+}
+
+void run_case(const std::string& dir, const Parallel& parallel) {
+  const Meta meta(dir + "/meta.txt");
+  std::string why;
+  const KernelTable* kt = find_kernel(meta.str("kernel"), &why);
+  if (!kt) throw std::runtime_error("kernel path '" + meta.str("kernel") + "' cannot run here: " + why);
+  const DType dtype = parse_dtype(meta.str("dtype"));
+  if (!kt->supports(dtype)) throw std::runtime_error(std::string(kt->name) + " does not take " + dtype_name(dtype));
+  const int64_t M = meta.num("M"), H = meta.num("H"), I = meta.num("I"), E = meta.num("E"), K = meta.num("topk");
+  const int64_t G = meta.num("global_experts"), es = dtype_size(dtype);
+  auto path = [&](const char* name) { return dir + "/" + name; };
+
+  const std::vector<char> hidden = read_array(path("hidden.bin"), M * H * es);
+  const std::vector<char> w13 = read_array(path("w13.bin"), E * 2 * I * H * es);
+  const std::vector<char> w2 = read_array(path("w2.bin"), E * H * I * es);
+  const std::vector<char> topk_weights = read_array(path("topk_weights.bin"), M * K * 4);
+  const std::vector<char> topk_ids = read_array(path("topk_ids.bin"), M * K * 4);
+
+  const PackedShape s13 = w13_packed_shape(H, I, kt->layout), s2 = w2_packed_shape(H, I, kt->layout);
+  std::vector<char> w13_packed(E * s13.expert_elems() * es), w2_packed(E * s2.expert_elems() * es);
+  pack_w13(w13.data(), w13_packed.data(), H, I, dtype, kt->layout, 0, E);
+  pack_w2(w2.data(), w2_packed.data(), H, I, dtype, kt->layout, 0, E);
+
+  FusedMoeArgs a;
+  a.kernels = kt;
+  a.dtype = dtype;
+  a.act = parse_activation(meta.str("activation"));
+  a.M = M, a.H = H, a.I = I, a.topk = K;
+  a.local_experts = E;
+  a.global_experts = G;
+  a.hidden = hidden.data();
+  a.topk_weights = reinterpret_cast<const float*>(topk_weights.data());
+  a.topk_ids = reinterpret_cast<const int32_t*>(topk_ids.data());
+  a.apply_router_weight_on_input = meta.flag("router_weight_on_input");
+  a.w13 = w13_packed.data();
+  a.w2 = w2_packed.data();
+
+  std::vector<char> expert_map, w13_bias, w2_bias;
+  std::vector<float> w13_bias_packed, w2_bias_packed;
+  if (meta.flag("expert_map")) {
+    expert_map = read_array(path("expert_map.bin"), G * 4);
+    a.expert_map = reinterpret_cast<const int32_t*>(expert_map.data());
+  }
+  if (meta.flag("w13_bias")) {
+    w13_bias = read_array(path("w13_bias.bin"), E * 2 * I * 4);
+    w13_bias_packed = pack_w13_bias(reinterpret_cast<const float*>(w13_bias.data()), E, I);
+    a.w13_bias = w13_bias_packed.data();
+  }
+  if (meta.flag("w2_bias")) {
+    w2_bias = read_array(path("w2_bias.bin"), E * H * 4);
+    w2_bias_packed = pack_w2_bias(reinterpret_cast<const float*>(w2_bias.data()), E, H);
+    a.w2_bias = w2_bias_packed.data();
+  }
+
+  std::vector<char> out(M * H * es);
+  a.out = out.data();
+  fused_moe(a, parallel);
+  std::ofstream f(path("out.bin"), std::ios::binary);
+  f.write(out.data(), std::streamsize(out.size()));
+  if (!f) throw std::runtime_error("cannot write " + path("out.bin"));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::printf("features:");
+  for (const std::string& f : cpumoe::cpu_features()) std::printf(" %s", f.c_str());
+  std::printf("\n");
+  for (const cpumoe::KernelInfo& k : cpumoe::kernel_paths())
+    std::printf("path %s: %s\n", k.name.c_str(), k.table ? "available" : ("unavailable, " + k.unavailable).c_str());
+
+  const cpumoe::Parallel parallel = two_threads();
+  for (int i = 1; i < argc; ++i) {
+    try {
+      run_case(argv[i], parallel);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s: %s\n", argv[i], e.what());
+      return 1;
+    }
+  }
+  return 0;
+}

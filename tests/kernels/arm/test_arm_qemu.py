@@ -1,0 +1,168 @@
+# The Arm kernel paths (arm-neon, arm-bfmmla) against cpumoe.reference, run under qemu-aarch64 on any host:
+# the PyTorch-free core and driver.cpp are cross-compiled once per module into a static binary, each case's
+# inputs are written as raw arrays, and the driver's output is compared with the reference. Needs
+# aarch64-linux-gnu-g++ and qemu-aarch64-static (Debian: g++-aarch64-linux-gnu, qemu-user-static); without
+# them the module is skipped, except under CI, where that is a failure.
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpumoe import reference
+from tests.kernels.moe_cases import MoECase, MoEProblem, make_problem
+from tests.kernels.tolerances import assert_moe_close
+
+ROOT = Path(__file__).resolve().parents[3]
+CXX = "aarch64-linux-gnu-g++"
+QEMU = "qemu-aarch64-static"
+CXXFLAGS = ["-O2", "-std=c++17", "-Wall", "-Wno-unused-function", f"-I{ROOT / 'csrc'}"]
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+KERNEL_DTYPES = [("arm-neon", torch.float32), ("arm-neon", torch.bfloat16), ("arm-neon", torch.float16),
+                 ("arm-bfmmla", torch.bfloat16)]
+
+
+def _isa_flags() -> dict[str, list[str]]:
+    """setup.py's per-file ISA_FLAGS, read without running setup(), so the cross build matches the real one."""
+    for node in ast.parse((ROOT / "setup.py").read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "ISA_FLAGS":
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py defines no ISA_FLAGS")
+
+
+def _run(cmd: list[str], what: str) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{what} failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory) -> Path:
+    """driver.cpp + the core + its Arm units, cross-compiled into one static aarch64 binary."""
+    missing = [tool for tool in (CXX, QEMU) if shutil.which(tool) is None]
+    if missing:
+        reason = f"{' and '.join(missing)} not installed (Debian packages g++-aarch64-linux-gnu, qemu-user-static)"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    build = tmp_path_factory.mktemp("arm-build")
+    flags = list(CXXFLAGS)
+    # GCC 12 has no C++ _Float16 on AArch64 (GCC 13 adds it); __fp16 is the same IEEE half as a storage type.
+    probe = subprocess.run([CXX, "-std=c++17", "-fsyntax-only", "-x", "c++", "-"], input="_Float16 x;",
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        flags.append("-D_Float16=__fp16")
+    isa_flags = _isa_flags()
+    sources = sorted([*(ROOT / "csrc/core").glob("*.cpp"), *(ROOT / "csrc/core/arm").glob("*.cpp"),
+                      Path(__file__).with_name("driver.cpp")])
+
+    def compile_one(src: Path) -> Path:
+        obj = build / f"{src.stem}.o"
+        _run([CXX, *flags, *isa_flags.get(src.name, []), "-c", str(src), "-o", str(obj)], f"compiling {src.name}")
+        return obj
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        objects = list(pool.map(compile_one, sources))
+    binary = build / "driver"
+    _run([CXX, "-static", "-pthread", *map(str, objects), "-o", str(binary)], "linking the driver")
+    return binary
+
+
+def _paths(driver: Path, cpu: str) -> dict[str, str]:
+    """{path name: "available" | "unavailable, <why>"} as the driver reports them on qemu's `cpu` model."""
+    out = _run([QEMU, "-cpu", cpu, str(driver)], f"driver on -cpu {cpu}")
+    return dict(re.findall(r"^path (\S+): (.*)$", out, flags=re.M))
+
+
+def test_both_paths_available_on_cpu_max(driver):
+    paths = _paths(driver, "max")
+    assert paths["arm-bfmmla"] == "available", paths
+    assert paths["arm-neon"] == "available", paths
+
+
+def test_bfmmla_unavailable_without_bf16(driver):
+    paths = _paths(driver, "cortex-a57")  # Armv8.0: NEON only
+    assert "CPU lacks bf16" in paths["arm-bfmmla"], paths
+    assert paths["arm-neon"] == "available", paths
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: MoECase
+    activation: str = "silu"
+    bias: bool = False
+    routing: str = "topk"  # or "expert_map" (shard holds SHARD), "one_expert", "weight_on_input" (k == 1)
+
+    def __str__(self) -> str:
+        return "-".join([self.shape.id, self.activation, *(["bias"] if self.bias else []),
+                         *([self.routing] if self.routing != "topk" else [])])
+
+
+SHARD = [1, 4, 6]  # global experts held by this shard in the expert_map case, as local experts 0, 1, 2
+SHAPES = [MoECase(1, 64, 32, 4, 2), MoECase(7, 130, 70, 8, 2), MoECase(33, 96, 40, 8, 8), MoECase(5, 63, 17, 3, 1)]
+CASES = [
+    *(Case(shape) for shape in SHAPES),
+    *(Case(SHAPES[1], activation=act) for act in ("gelu", "gelu_tanh", "swigluoai")),
+    Case(SHAPES[1], bias=True),
+    Case(SHAPES[3], activation="swigluoai", bias=True),
+    Case(MoECase(29, 64, 48, 8, 2), routing="expert_map"),
+    Case(MoECase(300, 64, 40, 16, 1), routing="one_expert"),  # 300 rows of one expert: several row chunks
+    Case(MoECase(9, 64, 40, 4, 1), routing="weight_on_input"),
+]
+
+
+def _problem(case: Case, dtype: torch.dtype) -> tuple[MoEProblem, torch.Tensor | None]:
+    """The case's inputs (local experts only) and its expert_map, if any."""
+    s = case.shape
+    if case.routing == "one_expert":
+        return make_problem(s, dtype, bias=case.bias, topk_ids=torch.full((s.M, s.k), s.E - 1)), None
+    p = make_problem(s, dtype, bias=case.bias)
+    if case.routing != "expert_map":
+        return p, None
+    p.w13, p.w2 = p.w13[SHARD].contiguous(), p.w2[SHARD].contiguous()
+    if case.bias:
+        p.w13_bias, p.w2_bias = p.w13_bias[SHARD].contiguous(), p.w2_bias[SHARD].contiguous()
+    expert_map = torch.full((s.E,), -1, dtype=torch.int32)
+    expert_map[SHARD] = torch.arange(len(SHARD), dtype=torch.int32)
+    return p, expert_map
+
+
+def _write_case(directory: Path, kernel: str, dtype: torch.dtype, case: Case, p: MoEProblem,
+                expert_map: torch.Tensor | None) -> None:
+    E, I = p.w2.shape[0], p.w2.shape[2]  # noqa: E741
+    meta = dict(kernel=kernel, dtype=DTYPE_NAMES[dtype], activation=case.activation, M=case.shape.M,
+                H=case.shape.H, I=I, E=E, topk=case.shape.k,
+                global_experts=len(expert_map) if expert_map is not None else E, w13_bias=int(case.bias),
+                w2_bias=int(case.bias), expert_map=int(expert_map is not None),
+                router_weight_on_input=int(case.routing == "weight_on_input"))
+    (directory / "meta.txt").write_text("".join(f"{key} {value}\n" for key, value in meta.items()))
+    arrays = dict(hidden=p.x, w13=p.w13, w2=p.w2, topk_weights=p.topk_weights.float(), topk_ids=p.topk_ids.int(),
+                  expert_map=expert_map, w13_bias=p.w13_bias, w2_bias=p.w2_bias)
+    for name, t in arrays.items():
+        if t is None:
+            continue
+        if name.endswith("_bias"):
+            t = t.float()  # the driver takes float32 biases, as the packed op does
+        t.contiguous().flatten().view(torch.uint8).numpy().tofile(directory / f"{name}.bin")
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("kernel,dtype", KERNEL_DTYPES, ids=[f"{k}-{DTYPE_NAMES[d]}" for k, d in KERNEL_DTYPES])
+def test_fused_moe_matches_reference(driver, tmp_path, kernel, dtype, case):
+    p, expert_map = _problem(case, dtype)
+    _write_case(tmp_path, kernel, dtype, case, p, expert_map)
+    _run([QEMU, "-cpu", "max", str(driver), str(tmp_path)], f"driver on {kernel} {case}")
+    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=dtype).view(case.shape.M, -1)
+    ref = reference.fused_experts(p.x, p.w13, p.w2, p.topk_weights, p.topk_ids, activation=case.activation,
+                                  w13_bias=p.w13_bias, w2_bias=p.w2_bias, expert_map=expert_map,
+                                  apply_router_weight_on_input=case.routing == "weight_on_input")
+    assert_moe_close(out, ref, dtype, f"{kernel} {DTYPE_NAMES[dtype]} {case}")

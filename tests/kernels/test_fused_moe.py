@@ -1,0 +1,114 @@
+"""Every kernel path this machine can run, against cpumoe.reference, over shape/dtype/activation grids."""
+import pytest
+import torch
+
+import cpumoe
+from cpumoe import reference
+from tests.kernels.moe_cases import MoECase, make_problem, path_dtype_grid
+from tests.kernels.tolerances import assert_moe_close
+
+SHAPES = [
+    MoECase(M=1, H=64, I=32, E=1, k=1),
+    MoECase(M=2, H=128, I=64, E=8, k=2),
+    MoECase(M=7, H=130, I=70, E=8, k=2),      # H, I not multiples of 32
+    MoECase(M=33, H=96, I=40, E=8, k=8),      # every expert active
+    MoECase(M=128, H=200, I=96, E=64, k=8),
+    MoECase(M=1000, H=64, I=48, E=128, k=8),
+    MoECase(M=5, H=63, I=17, E=3, k=1),       # odd hidden size: pairs/quads layouts pad K
+    MoECase(M=39, H=2048, I=768, E=8, k=2),   # real qwen3 per-expert shapes
+]
+ACTIVATIONS = ["silu", "gelu", "gelu_tanh", "swigluoai"]
+
+
+def run(path: str, p, *, activation="silu", expert_map=None, num_experts=None, on_input=False):
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=p.topk_ids.shape[1], activation=activation, w13_bias=p.w13_bias,
+                            w2_bias=p.w2_bias, expert_map=expert_map, num_experts=num_experts,
+                            apply_router_weight_on_input=on_input, backend=path)
+    assert layer.backend == path
+    return layer.experts(p.x, p.topk_weights, p.topk_ids)
+
+
+def check(path, dtype, p, msg, **kw):
+    ref_kw = {k: v for k, v in kw.items() if k not in ("num_experts", "on_input")}
+    ref = reference.fused_experts(p.x, p.w13, p.w2, p.topk_weights, p.topk_ids, w13_bias=p.w13_bias,
+                                  w2_bias=p.w2_bias, apply_router_weight_on_input=kw.get("on_input", False), **ref_kw)
+    assert_moe_close(run(path, p, **kw), ref, dtype, msg)
+
+
+@pytest.mark.parametrize("path,dtype", path_dtype_grid())
+@pytest.mark.parametrize("case", SHAPES, ids=lambda c: c.id)
+def test_shapes(path, dtype, case):
+    check(path, dtype, make_problem(case, dtype), f"{path} {dtype} {case.id}")
+
+
+@pytest.mark.parametrize("path,dtype", path_dtype_grid())
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_activations_and_bias(path, dtype, activation, bias):
+    case = MoECase(M=17, H=96, I=70, E=8, k=2)
+    check(path, dtype, make_problem(case, dtype, bias=bias), f"{path} {activation} bias={bias}",
+          activation=activation)
+
+
+@pytest.mark.parametrize("path,dtype", path_dtype_grid())
+def test_expert_map_with_missing_experts(path, dtype):
+    # 8 global experts, this shard holds 3 of them (global 1, 4, 6 -> local 0, 1, 2).
+    case = MoECase(M=29, H=64, I=48, E=8, k=2)
+    full = make_problem(case, dtype)
+    expert_map = torch.full((8,), -1, dtype=torch.int32)
+    expert_map[torch.tensor([1, 4, 6])] = torch.arange(3, dtype=torch.int32)
+    local = make_problem(case, dtype)
+    local.w13, local.w2 = full.w13[[1, 4, 6]].contiguous(), full.w2[[1, 4, 6]].contiguous()
+    check(path, dtype, local, f"{path} expert_map", expert_map=expert_map, num_experts=8)
+
+
+@pytest.mark.parametrize("path,dtype", path_dtype_grid())
+def test_all_tokens_to_one_expert(path, dtype):
+    case = MoECase(M=300, H=64, I=40, E=16, k=1)
+    check(path, dtype, make_problem(case, dtype, topk_ids=torch.full((300, 1), 5)), f"{path} skewed")
+
+
+@pytest.mark.parametrize("path,dtype", path_dtype_grid())
+def test_router_weight_on_input(path, dtype):
+    case = MoECase(M=9, H=64, I=40, E=4, k=1)
+    check(path, dtype, make_problem(case, dtype), f"{path} weight on input", on_input=True)
+
+
+@pytest.mark.parametrize("path,dtype", [p for p in path_dtype_grid() if p.values[0] != "naive"])
+def test_one_and_two_threads_agree_exactly(path, dtype):
+    # Native paths only: naive uses torch's GEMMs, whose blocking (so rounding) depends on the thread count.
+    p = make_problem(MoECase(M=65, H=128, I=96, E=16, k=4), dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(path, p)
+        torch.set_num_threads(2)
+        two = run(path, p)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two), f"{path}: results differ between 1 and 2 threads"
+
+
+def test_forward_routes_like_select_experts():
+    case = MoECase(M=11, H=64, I=32, E=8, k=2)
+    p = make_problem(case, torch.float32)
+    logits = torch.randn(case.M, case.E)
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2, renormalize=False)
+    weights, ids = cpumoe.select_experts(logits, 2, renormalize=False)
+    ref = reference.fused_experts(p.x, p.w13, p.w2, weights, ids)
+    assert_moe_close(layer(p.x, logits), ref, torch.float32, "forward")
+
+
+def test_ops_trace_under_compile():
+    from cpumoe import ops
+    p = make_problem(MoECase(M=4, H=64, I=32, E=4, k=2), torch.bfloat16)
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2)
+    if layer.backend == "naive":
+        pytest.skip("no native path on this CPU")
+    args = (p.x, layer.prepared.w13, layer.prepared.w2, p.topk_weights, p.topk_ids)
+    kwargs = dict(path=layer.backend, activation="silu")
+    torch.library.opcheck(torch.ops.cpumoe.fused_experts.default, args, kwargs,
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.cpumoe.pack_w13.default, (p.w13, layer.backend), test_utils=("test_faketensor",))
+    compiled = torch.compile(lambda x, w, i: ops.fused_experts(x, args[1], args[2], w, i, **kwargs), fullgraph=True)
+    torch.testing.assert_close(compiled(p.x, p.topk_weights, p.topk_ids), layer.experts(p.x, p.topk_weights, p.topk_ids))
