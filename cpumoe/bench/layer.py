@@ -37,6 +37,7 @@ SLOW_CALL_S = 2.0     # a call this slow (naive at large M) gets SLOW_REPS repet
 SLOW_REPS = 2
 QUICK_TARGET_S = 0.05  # --quick: one warm-up, then up to QUICK_MAX_REPS calls within about this long
 QUICK_MAX_REPS = 3
+BUSY_LOAD = 1.0       # warn when the machine's load average was this high before the run
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +243,9 @@ def render_layer_report(report: dict, console: Console) -> None:
                   f"[bold]threads[/] {machine['threads']}")
     console.print(f"[bold]read bandwidth[/] {machine['bandwidth_gbs']:.1f} GB/s   [bold]{machine['mm_dtype']} mm peak"
                   f"[/] {machine['mm_gflops']:.0f} GFLOP/s ({machine['mm_size']}^3)   torch {machine['torch_version']}")
+    if machine["load_average"] >= BUSY_LOAD:
+        console.print(f"[yellow]load average {machine['load_average']:.2f} before the run: other work shared the "
+                      "CPUs, every figure may be low[/]")
     console.print(layer_table(report))
 
 

@@ -2,10 +2,12 @@
 
     memory read bandwidth: cpumoe's multi-threaded streaming read of a 1 GiB buffer (best of 5), GB/s
     GEMM peak:             torch.mm of 4096 x 4096 x 4096 in the benchmark's dtype (median after warm-up), GFLOP/s
-Both run on torch's thread count. `quick` uses a 256 MiB buffer and a 2048-cube GEMM (seconds less, a rougher peak).
+Both run on torch's thread count; the load average taken before them says whether other work shared the CPUs.
+`quick` uses a 256 MiB buffer and a 2048-cube GEMM (seconds less, a rougher peak).
 """
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -26,6 +28,7 @@ class MachineInfo:
     mm_dtype: str
     mm_size: int             # the GEMM is mm_size^3
     torch_version: str
+    load_average: float      # 1-minute load average before measuring: other work on the CPUs lowers every figure
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,8 +66,9 @@ def measure_mm_peak(dtype: torch.dtype = torch.bfloat16, size: int = 4096, repet
 
 def measure_machine(dtype: torch.dtype = torch.bfloat16, quick: bool = False) -> MachineInfo:
     mm_size = 2048 if quick else 4096
+    load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     return MachineInfo(
         cpu=cpu_model(), features=ops.cpu_features(), threads=torch.get_num_threads(),
         bandwidth_gbs=measure_bandwidth(1 << 28 if quick else 1 << 30, repetitions=3 if quick else 5),
         mm_gflops=measure_mm_peak(dtype, mm_size), mm_dtype=str(dtype).removeprefix("torch."), mm_size=mm_size,
-        torch_version=torch.__version__)
+        torch_version=torch.__version__, load_average=load_average)

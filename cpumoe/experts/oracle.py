@@ -4,14 +4,13 @@ Every rejection carries its reason; when nothing fits, the error lists them all.
 per distinct layer config, with the reasons the faster paths were passed over."""
 from __future__ import annotations
 
-import logging
 from functools import cache
 
 from cpumoe.experts.base import ExpertsConfig, ExpertsPath
 from cpumoe.experts.naive import NaiveExperts
 from cpumoe.experts.native import native_paths
+from cpumoe.logs import logger as log
 
-log = logging.getLogger("cpumoe")
 
 
 class NoSupportedPath(ValueError):

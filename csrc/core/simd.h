@@ -16,7 +16,7 @@ typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef _Float16 f16x16 __attribute__((vector_size(32)));
+typedef half_t f16x16 __attribute__((vector_size(32)));
 
 static inline f32x16 splat(float x) { return f32x16{} + x; }
 static inline f32x16 as_f32(i32x16 v) { return reinterpret_cast<f32x16>(v); }

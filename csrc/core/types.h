@@ -6,6 +6,13 @@
 
 namespace cpumoe {
 
+// IEEE half. GCC before 13 has no C++ _Float16 on AArch64; its __fp16 is the same format.
+#if defined(__aarch64__) && !defined(__clang__) && __GNUC__ < 13
+using half_t = __fp16;
+#else
+using half_t = _Float16;
+#endif
+
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 enum class Activation : int { kSilu = 0, kGelu = 1, kGeluTanh = 2, kSwigluOai = 3 };
 
@@ -44,12 +51,12 @@ inline uint16_t f32_to_bf16(float f) {
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 inline float f16_to_f32(uint16_t h) {
-  _Float16 v;
+  half_t v;
   std::memcpy(&v, &h, 2);
   return float(v);
 }
 inline uint16_t f32_to_f16(float f) {
-  _Float16 v = _Float16(f);
+  half_t v = half_t(f);
   uint16_t h;
   std::memcpy(&h, &v, 2);
   return h;

@@ -10,6 +10,8 @@
 // take 32/G passes over k; per k-quad a pass makes G weight loads and P x G BFMMLAs (16 multiply-adds
 // each). After a pass, zipping the 64-bit halves of neighbouring column pairs' accumulators gives four
 // columns of the pair's first row and four of its second, stored to a float tile for the shared epilogues.
+// The fixed-count loops carry `#pragma GCC unroll`: at -O2 GCC does not unroll them otherwise, and the
+// accumulator arrays then live in memory.
 #include <arm_neon.h>
 
 #include "../simd.h"

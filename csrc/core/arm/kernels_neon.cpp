@@ -8,6 +8,8 @@
 // passes rereading the activation rows from L1. The other half of the register file holds the R
 // activation vectors and the weights that GCC's scheduler loads ahead (24 accumulators spill under it).
 // One row (decode) gets 8 independent accumulator chains, enough to stream weights at memory speed.
+// The fixed-count loops carry `#pragma GCC unroll`: at -O2 GCC does not unroll them otherwise, and the
+// accumulator arrays then live in memory.
 #include <arm_neon.h>
 
 #include "../simd.h"

@@ -15,6 +15,7 @@
 //   -> out.bin [M][H] dtype
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <stdexcept>
