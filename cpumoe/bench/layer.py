@@ -19,12 +19,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cpumoe.bench.machine import MachineInfo, measure_machine
+from cpumoe.bench.machine import MachineInfo, OtherCpuUse, measure_machine
 from cpumoe.experts import ExpertsConfig, all_paths, choose_path
 from cpumoe.layer import FusedMoE
 from cpumoe.presets import LayerPreset
@@ -33,11 +32,11 @@ from cpumoe.routing import select_experts
 TARGET_S = 0.75       # time each case for about this long
 MIN_REPS = 3
 MAX_REPS = 1000
-SLOW_CALL_S = 2.0     # a call this slow (naive at large M) gets SLOW_REPS repetitions
+SLOW_CALL_S = 2.0     # a call this slow (a slow path at large M) gets only SLOW_REPS repetitions
 SLOW_REPS = 2
 QUICK_TARGET_S = 0.05  # --quick: one warm-up, then up to QUICK_MAX_REPS calls within about this long
 QUICK_MAX_REPS = 3
-BUSY_LOAD = 1.0       # warn when the machine's load average was this high before the run
+BUSY_FRACTION = 0.05  # warn when other processes took this share of the CPUs during the run
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +136,8 @@ def build_layer(preset: LayerPreset, weights: dict[str, torch.Tensor | None], pa
 
 
 def time_call(fn: Callable[[], object], *, quick: bool = False) -> tuple[float, int]:
-    """(median seconds per call, repetitions). Warm-up, then enough repetitions to last about TARGET_S."""
+    """(median seconds per call, repetitions). A warm-up call, then enough repetitions to last about TARGET_S
+    (at least MIN_REPS; SLOW_REPS when the warm-up took SLOW_CALL_S or more)."""
     start = time.perf_counter()
     fn()
     estimate = time.perf_counter() - start
@@ -219,7 +219,7 @@ def run_layer_bench(preset: LayerPreset, dtype: torch.dtype, tokens: Sequence[in
     names = select_paths(config, paths)
     chosen = choose_path(config).name
     results: list[LayerResult] = []
-    with _progress_bar(progress) as bar:
+    with OtherCpuUse() as other, _progress_bar(progress) as bar:
         task = bar.add_task("measuring the machine", total=len(names) * len(tokens))
         machine = machine or measure_machine(dtype, quick=quick)
         for result in run_cases(preset, dtype, tokens, names, machine, quick, seed,
@@ -227,7 +227,9 @@ def run_layer_bench(preset: LayerPreset, dtype: torch.dtype, tokens: Sequence[in
             results.append(result)
             bar.advance(task)
     add_speedups(results)
-    return bench_report(preset, dtype, machine, chosen, results)
+    report = bench_report(preset, dtype, machine, chosen, results)
+    report["other_cpu_fraction"] = other.fraction
+    return report
 
 
 def _progress_bar(console: Console | None) -> Progress:
@@ -243,9 +245,12 @@ def render_layer_report(report: dict, console: Console) -> None:
                   f"[bold]threads[/] {machine['threads']}")
     console.print(f"[bold]read bandwidth[/] {machine['bandwidth_gbs']:.1f} GB/s   [bold]{machine['mm_dtype']} mm peak"
                   f"[/] {machine['mm_gflops']:.0f} GFLOP/s ({machine['mm_size']}^3)   torch {machine['torch_version']}")
-    if machine["load_average"] >= BUSY_LOAD:
-        console.print(f"[yellow]load average {machine['load_average']:.2f} before the run: other work shared the "
-                      "CPUs, every figure may be low[/]")
+    other = report.get("other_cpu_fraction")
+    if other is not None and other >= BUSY_FRACTION:
+        console.print(f"[yellow]other processes took {100 * other:.0f}% of the CPUs during the run: every figure "
+                      "may be low[/]")
+    elif other is not None:
+        console.print(f"other processes took {100 * other:.0f}% of the CPUs during the run")
     console.print(layer_table(report))
 
 

@@ -2,7 +2,8 @@
 
     memory read bandwidth: cpumoe's multi-threaded streaming read of a 1 GiB buffer (best of 5), GB/s
     GEMM peak:             torch.mm of 4096 x 4096 x 4096 in the benchmark's dtype (median after warm-up), GFLOP/s
-Both run on torch's thread count; the load average taken before them says whether other work shared the CPUs.
+Both run on torch's thread count. OtherCpuUse says how much of the CPUs other processes (or the hypervisor) took
+while a run went on: on a shared machine, that work lowers every figure.
 `quick` uses a 256 MiB buffer and a 2048-cube GEMM (seconds less, a rougher peak).
 """
 from __future__ import annotations
@@ -28,7 +29,6 @@ class MachineInfo:
     mm_dtype: str
     mm_size: int             # the GEMM is mm_size^3
     torch_version: str
-    load_average: float      # 1-minute load average before measuring: other work on the CPUs lowers every figure
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,9 +66,41 @@ def measure_mm_peak(dtype: torch.dtype = torch.bfloat16, size: int = 4096, repet
 
 def measure_machine(dtype: torch.dtype = torch.bfloat16, quick: bool = False) -> MachineInfo:
     mm_size = 2048 if quick else 4096
-    load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     return MachineInfo(
         cpu=cpu_model(), features=ops.cpu_features(), threads=torch.get_num_threads(),
         bandwidth_gbs=measure_bandwidth(1 << 28 if quick else 1 << 30, repetitions=3 if quick else 5),
         mm_gflops=measure_mm_peak(dtype, mm_size), mm_dtype=str(dtype).removeprefix("torch."), mm_size=mm_size,
-        torch_version=torch.__version__, load_average=load_average)
+        torch_version=torch.__version__)
+
+
+class OtherCpuUse:
+    """Context manager: `fraction` of all CPUs' time that went to anything but this process while the block ran
+    (None where /proc/stat is missing). Busy time = user + nice + system + irq + softirq + steal."""
+
+    def __init__(self) -> None:
+        self.fraction: float | None = None
+
+    def __enter__(self) -> OtherCpuUse:
+        self._start = (time.monotonic(), _system_busy_s(), _own_cpu_s())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall0, busy0, own0 = self._start
+        wall, busy, own = time.monotonic() - wall0, _system_busy_s(), _own_cpu_s() - own0
+        if busy0 is not None and busy is not None and wall > 0:
+            self.fraction = max(0.0, (busy - busy0 - own) / (wall * (os.cpu_count() or 1)))
+
+
+def _system_busy_s() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system

@@ -8,6 +8,7 @@ import torch
 from cpumoe.bench.layer import (
     LayerCase, LayerResult, add_speedups, experts_config, make_inputs, select_paths, time_call,
 )
+from cpumoe.bench.machine import OtherCpuUse
 from cpumoe.cli import main
 from cpumoe.experts import all_paths
 from cpumoe.presets import PRESETS, LayerPreset, get_preset
@@ -55,6 +56,12 @@ def test_time_call_repetitions():
     assert 1 <= reps <= 3 and seconds > 0
 
 
+def test_other_cpu_use():
+    with OtherCpuUse() as other:
+        sum(range(100_000))
+    assert other.fraction is None or 0 <= other.fraction <= 1
+
+
 def test_speedups():
     results = [LayerResult("fast", 4, 1.0, 3, 2, 1.0, 1.0, 1.0, 1.0),
                LayerResult("naive", 4, 5.0, 3, 2, 1.0, 1.0, 1.0, 1.0),
@@ -91,6 +98,7 @@ def test_tiny_bench_json(tmp_path, capsys):
     assert report["machine"]["bandwidth_gbs"] > 0 and report["machine"]["mm_gflops"] > 0
     assert report["layer"]["hidden"] == 64 and report["layer"]["dtype"] == "bfloat16"
     assert report["layer"]["oracle_choice"] == expected[0]
+    assert report["other_cpu_fraction"] is None or 0 <= report["other_cpu_fraction"] <= 1
     printed = capsys.readouterr().out
     assert all(p in printed for p in expected) and "GFLOP/s" in printed
 
