@@ -61,6 +61,9 @@ def measure_read_bandwidth(nbytes: int = 1 << 30, repetitions: int = 5) -> tuple
     return _C.measure_read_bandwidth(nbytes, repetitions)
 
 
+ReadBandwidthProbe = _C.ReadBandwidthProbe
+
+
 @torch.library.register_fake("cpumoe::pack_w13")
 def _pack_w13_fake(w13, path):
     (blocks, elems), _ = packed_shapes(w13.shape[2], w13.shape[1] // 2, path)

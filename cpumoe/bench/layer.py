@@ -3,14 +3,21 @@
     random weights (seeded, once) -> per path: FusedMoE(backend=path) -> per M: time layer(hidden, router_logits)
                                   -> GFLOP/s, GB/s of the distinct experts touched, vs the machine's limits and naive
 
-The timed call includes routing (select_experts), as a model's forward does. Each path packs its own copy of the
-weights; layers are built one at a time and dropped after their cases, so at most the shared unpacked weights
-and one packed copy are alive. Shared experts are not part of the layer (FusedMoE runs the routed experts only).
-Each M reuses one input, so at small M the same few experts are read every repetition: when they fit in the last
-level cache, GB/s can exceed the memory bandwidth.
+The timed call includes routing (select_experts), as a model's forward does. Shared experts are not part of the
+layer (FusedMoE runs the routed experts only).
+
+Side by side: this machine is shared and its memory bandwidth drifts by tens of percent over minutes, so the
+paths are measured repetition by repetition in turn, and each repetition starts with a streaming read of a
+1 GiB buffer (the bandwidth probe) that is also timed: "% bandwidth" compares a path with the probe's median
+over the same repetitions. The probe also evicts the caches, and repetitions rotate over INPUT_POOL inputs with
+different routing, so no call finds its experts in the last-level cache (a model runs other layers between two
+calls of this one). For compute-bound cases (M >= MM_FROM_TOKENS) a torch.mm of mm_size^3 joins each
+repetition and "% mm peak" compares with its median. Each path packs its own copy of the weights; when all the
+copies would not fit in memory, paths run one after the other instead.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import statistics
@@ -23,6 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from cpumoe import ops
 from cpumoe.bench.machine import MachineInfo, OtherCpuUse, measure_machine
 from cpumoe.experts import ExpertsConfig, all_paths, choose_path
 from cpumoe.layer import FusedMoE
@@ -31,7 +39,10 @@ from cpumoe.routing import select_experts
 
 TARGET_S = 0.75       # time each case for about this long
 MIN_REPS = 3
-MAX_REPS = 1000
+MAX_REPS = 30
+INPUT_POOL = 4        # inputs with different routing, rotated over the repetitions
+MM_FROM_TOKENS = 256  # from this M on, a torch.mm joins each repetition as the side-by-side GEMM peak
+MEMORY_SHARE = 0.6    # build every path's layer at once only if their weights fit in this share of free memory
 SLOW_CALL_S = 2.0     # a call this slow (a slow path at large M) gets only SLOW_REPS repetitions
 SLOW_REPS = 2
 QUICK_TARGET_S = 0.05  # --quick: one warm-up, then up to QUICK_MAX_REPS calls within about this long
@@ -74,8 +85,10 @@ class LayerResult:
     distinct_experts: int
     gflops: float
     gbs: float
-    bandwidth_pct: float         # gbs / measured read bandwidth
-    peak_pct: float              # gflops / measured GEMM peak
+    bandwidth_gbs: float         # the bandwidth probe's median over this case's repetitions
+    bandwidth_pct: float         # gbs / bandwidth_gbs
+    mm_gflops: float             # torch.mm's median over the repetitions (M >= MM_FROM_TOKENS), else the run's
+    peak_pct: float              # gflops / mm_gflops
     speedup_vs_naive: float | None = None
 
 
@@ -135,41 +148,61 @@ def build_layer(preset: LayerPreset, weights: dict[str, torch.Tensor | None], pa
                     backend=path)
 
 
-def time_call(fn: Callable[[], object], *, quick: bool = False) -> tuple[float, int]:
-    """(median seconds per call, repetitions). A warm-up call, then enough repetitions to last about TARGET_S
-    (at least MIN_REPS; SLOW_REPS when the warm-up took SLOW_CALL_S or more)."""
+def repetitions_for(estimate: float, quick: bool) -> int:
+    """How many timed calls a path gets, from one call's duration."""
+    if quick:
+        return min(QUICK_MAX_REPS, max(1, math.ceil(QUICK_TARGET_S / max(estimate, 1e-9))))
+    if estimate >= SLOW_CALL_S:
+        return SLOW_REPS
+    return min(MAX_REPS, max(MIN_REPS, math.ceil(TARGET_S / max(estimate, 1e-9))))
+
+
+def _timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
-    estimate = time.perf_counter() - start
-    if quick:
-        repetitions = min(QUICK_MAX_REPS, max(1, math.ceil(QUICK_TARGET_S / max(estimate, 1e-9))))
-    elif estimate >= SLOW_CALL_S:
-        repetitions = SLOW_REPS
-    else:
-        warm_until = time.perf_counter() + min(0.2, 3 * estimate)
-        while time.perf_counter() < warm_until:
-            start = time.perf_counter()
-            fn()
-            estimate = min(estimate, time.perf_counter() - start)
-        repetitions = min(MAX_REPS, max(MIN_REPS, math.ceil(TARGET_S / max(estimate, 1e-9))))
-    times = []
-    for _ in range(repetitions):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), repetitions
+    return time.perf_counter() - start
 
 
-def measure_case(layer: FusedMoE, inputs: LayerInputs, path: str, machine: MachineInfo,
-                 quick: bool = False) -> LayerResult:
+def measure_tokens(layers: dict[str, FusedMoE], pool: list[LayerInputs], probe, machine: MachineInfo,
+                   quick: bool = False) -> list[LayerResult]:
+    """One M, every layer in `layers`, interleaved repetition by repetition with the bandwidth probe (and mm)."""
+    call = {path: (lambda inputs, layer=layer: layer(inputs.hidden_states, inputs.router_logits))
+            for path, layer in layers.items()}
+    tokens = pool[0].case.tokens
     with torch.inference_mode():
-        seconds, repetitions = time_call(lambda: layer(inputs.hidden_states, inputs.router_logits), quick=quick)
-    case = inputs.case
-    gflops = case.flops() / seconds / 1e9
-    gbs = case.bytes() / seconds / 1e9
-    return LayerResult(path=path, tokens=case.tokens, ms=seconds * 1e3, repetitions=repetitions,
-                       distinct_experts=case.distinct_experts, gflops=gflops, gbs=gbs,
-                       bandwidth_pct=100 * gbs / machine.bandwidth_gbs, peak_pct=100 * gflops / machine.mm_gflops)
+        reps = {path: repetitions_for(_timed(lambda: fn(pool[0])), quick) for path, fn in call.items()}
+        mm = _mm_call(machine) if tokens >= MM_FROM_TOKENS else None
+        times: dict[str, list[float]] = {path: [] for path in call}
+        bandwidth, mm_seconds = [], []
+        for rep in range(max(reps.values())):
+            bandwidth.append(probe.read_gbps())
+            if mm is not None:
+                mm_seconds.append(_timed(mm))
+            inputs = pool[rep % len(pool)]
+            for path, fn in call.items():
+                if rep < reps[path]:
+                    times[path].append(_timed(lambda: fn(inputs)))
+    gbps = statistics.median(bandwidth)
+    mm_gflops = (2 * machine.mm_size**3 / statistics.median(mm_seconds) / 1e9) if mm_seconds else machine.mm_gflops
+    distinct = statistics.mean(i.case.distinct_experts for i in pool)
+    case = dataclasses.replace(pool[0].case, distinct_experts=round(distinct))
+    results = []
+    for path, ts in times.items():
+        seconds = statistics.median(ts)
+        gflops = case.flops() / seconds / 1e9
+        gbs = distinct * case.expert_bytes() / seconds / 1e9
+        results.append(LayerResult(
+            path=path, tokens=tokens, ms=seconds * 1e3, repetitions=len(ts), distinct_experts=case.distinct_experts,
+            gflops=gflops, gbs=gbs, bandwidth_gbs=gbps, bandwidth_pct=100 * gbs / gbps, mm_gflops=mm_gflops,
+            peak_pct=100 * gflops / mm_gflops))
+    return results
+
+
+def _mm_call(machine: MachineInfo) -> Callable[[], object]:
+    dtype = getattr(torch, machine.mm_dtype)
+    a = torch.randn(machine.mm_size, machine.mm_size).to(dtype)
+    b = torch.randn(machine.mm_size, machine.mm_size).to(dtype)
+    return lambda: torch.mm(a, b)
 
 
 def add_speedups(results: list[LayerResult]) -> None:
@@ -182,19 +215,31 @@ def add_speedups(results: list[LayerResult]) -> None:
 def run_cases(preset: LayerPreset, dtype: torch.dtype, tokens: Sequence[int], paths: Sequence[str],
               machine: MachineInfo, quick: bool = False, seed: int = 0,
               on_case: Callable[[str], None] = lambda what: None) -> Iterator[LayerResult]:
-    """Yields one result per (path, M), path-major; only one path's packed weights live at a time.
-    `on_case` hears what is about to run (for a progress bar)."""
+    """Yields one result per (path, M). All paths side by side when their packed weights fit in memory, else
+    one path after another. `on_case` hears what is about to run (for a progress bar)."""
     on_case("random weights")
     weights = make_weights(preset, dtype, seed)
-    inputs = [make_inputs(preset, m, dtype, seed + 1) for m in tokens]
-    for path in paths:
-        on_case(f"{path}: packing weights")
-        layer = build_layer(preset, weights, path)
-        for case_inputs in inputs:
-            on_case(f"{path}: M={case_inputs.case.tokens}")
-            yield measure_case(layer, case_inputs, path, machine, quick)
-        del layer
+    pools = {m: [make_inputs(preset, m, dtype, seed + 1 + i) for i in range(INPUT_POOL)] for m in tokens}
+    probe = ops.ReadBandwidthProbe((256 << 20) if quick else (1 << 30))
+    together = (len(paths) + 1) * weights_nbytes(preset, dtype) < MEMORY_SHARE * _available_memory()
+    for group in ([list(paths)] if together else [[p] for p in paths]):
+        layers = {}
+        for path in group:
+            on_case(f"{path}: packing weights")
+            layers[path] = build_layer(preset, weights, path)
+        for m in tokens:
+            on_case(f"M={m}: {', '.join(group)}")
+            yield from measure_tokens(layers, pools[m], probe, machine, quick)
+        del layers
         gc.collect()
+
+
+def _available_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def weights_nbytes(preset: LayerPreset, dtype: torch.dtype) -> int:
@@ -226,6 +271,7 @@ def run_layer_bench(preset: LayerPreset, dtype: torch.dtype, tokens: Sequence[in
                                 on_case=lambda what: bar.update(task, description=what)):
             results.append(result)
             bar.advance(task)
+    results.sort(key=lambda r: (r.tokens, names.index(r.path)))
     add_speedups(results)
     report = bench_report(preset, dtype, machine, chosen, results)
     report["other_cpu_fraction"] = other.fraction
@@ -266,7 +312,8 @@ def _layer_line(layer: dict) -> str:
 
 def layer_table(report: dict) -> Table:
     layer = report["layer"]
-    table = Table(title=f"{layer['name']} MoE layer, {layer['dtype']} (routing included)", title_justify="left")
+    table = Table(title=f"{layer['name']} MoE layer, {layer['dtype']} (routing included; % of bandwidth and mm "
+                        "measured side by side per M)", title_justify="left")
     for name in ("M", "experts hit", "path", "ms", "GFLOP/s", "GB/s", "% bandwidth", "% mm peak", "vs naive"):
         table.add_column(name, justify="left" if name == "path" else "right", no_wrap=True)
     results = report["results"]

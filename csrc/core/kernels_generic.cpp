@@ -3,6 +3,7 @@
 #define CPUMOE_TABLE_FN kernels_generic
 #define CPUMOE_NAME "generic"
 #define CPUMOE_MAX_ROWS 1
+#define CPUMOE_VEC_BYTES 16
 #include "kernels_fma.inc"
 
 namespace cpumoe {

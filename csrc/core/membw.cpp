@@ -4,41 +4,46 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <stdexcept>
+#include <new>
 #include <vector>
 
 #include "cpu_features.h"
 
 namespace cpumoe {
 
-BandwidthResult measure_read_bandwidth(int64_t bytes, int repetitions, const Parallel& parallel) {
-  const int workers = std::max(parallel.workers, 1);
-  const int64_t slice = round_up(bytes / workers, 4096);
-  bytes = slice * workers;
-  char* buf = static_cast<char*>(std::aligned_alloc(4096, bytes));
-  if (!buf) throw std::bad_alloc();
-  auto each_worker = [&](const std::function<void(int)>& body) {
-    if (workers == 1 || !parallel.run) body(0);
-    else parallel.run(workers, body);
-  };
-  // First touch by the worker that will read the slice (NUMA placement), with non-zero data.
-  each_worker([&](int w) { std::memset(buf + w * slice, 1 + w, slice); });
+ReadBandwidthProbe::ReadBandwidthProbe(int64_t bytes, const Parallel& parallel)
+    : parallel_(parallel), workers_(std::max(parallel.workers, 1)) {
+  slice_ = round_up(std::max<int64_t>(bytes / workers_, 4096), 4096);
+  buf_ = static_cast<char*>(std::aligned_alloc(4096, slice_ * workers_));
+  if (!buf_) throw std::bad_alloc();
+  each_worker([&](int w) { std::memset(buf_ + w * slice_, 1 + w, slice_); });
+  read_gbps();  // warms the threads and the TLBs
+}
 
+ReadBandwidthProbe::~ReadBandwidthProbe() { std::free(buf_); }
+
+void ReadBandwidthProbe::each_worker(const std::function<void(int)>& body) {
+  if (workers_ == 1 || !parallel_.run) body(0);
+  else parallel_.run(workers_, body);
+}
+
+double ReadBandwidthProbe::read_gbps() {
   uint64_t (*read)(const void*, int64_t) = stream_read_generic;
 #if defined(__x86_64__)
   if (cpu_has("avx512f")) read = stream_read_avx512;
 #endif
+  std::vector<uint64_t> sums(workers_ * 8);  // one cache line per worker
+  auto t0 = std::chrono::steady_clock::now();
+  each_worker([&](int w) { sums[w * 8] = read(buf_ + w * slice_, slice_); });
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (uint64_t v : sums) sink_ ^= v;
+  return double(bytes()) / s / 1e9;
+}
+
+BandwidthResult measure_read_bandwidth(int64_t bytes, int repetitions, const Parallel& parallel) {
+  ReadBandwidthProbe probe(bytes, parallel);
   std::vector<double> gbps;
-  std::vector<uint64_t> sink(workers * 8);
-  for (int rep = 0; rep < repetitions + 1; ++rep) {
-    auto t0 = std::chrono::steady_clock::now();
-    each_worker([&](int w) { sink[w * 8] += read(buf + w * slice, slice); });
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (rep > 0) gbps.push_back(double(bytes) / s / 1e9);  // the first pass warms TLBs and threads
-  }
-  std::free(buf);
-  volatile uint64_t keep = 0;
-  for (uint64_t v : sink) keep = keep + v;
+  for (int rep = 0; rep < std::max(repetitions, 1); ++rep) gbps.push_back(probe.read_gbps());
   std::sort(gbps.begin(), gbps.end());
   return {gbps.back(), gbps[gbps.size() / 2]};
 }

@@ -7,8 +7,29 @@
 
 namespace cpumoe {
 
+// Owns a buffer (first touched by the worker that reads each slice) and times one full read of it per
+// call; a benchmark interleaves read_gbps() with the calls it measures, so both see the same machine state
+// (and the read leaves no weights in the caches).
+class ReadBandwidthProbe {
+ public:
+  ReadBandwidthProbe(int64_t bytes, const Parallel& parallel);
+  ~ReadBandwidthProbe();
+  ReadBandwidthProbe(const ReadBandwidthProbe&) = delete;
+  ReadBandwidthProbe& operator=(const ReadBandwidthProbe&) = delete;
+  double read_gbps();
+  int64_t bytes() const { return slice_ * workers_; }
+
+ private:
+  void each_worker(const std::function<void(int)>& body);
+  Parallel parallel_;
+  int workers_;
+  int64_t slice_;
+  char* buf_;
+  uint64_t sink_ = 0;
+};
+
 struct BandwidthResult {
-  double best_gbps;     // best repetition
+  double best_gbps;
   double median_gbps;
 };
 

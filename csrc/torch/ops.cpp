@@ -204,6 +204,12 @@ PYBIND11_MODULE(_C, m) {
     auto a = cpumoe::w13_packed_shape(H, I, kt.layout), b = cpumoe::w2_packed_shape(H, I, kt.layout);
     return std::make_tuple(std::make_tuple(a.blocks, a.block_elems), std::make_tuple(b.blocks, b.block_elems));
   }, "((w13 blocks, block elems), (w2 blocks, block elems)) per expert for hidden H, intermediate I");
+  pybind11::class_<cpumoe::ReadBandwidthProbe>(m, "ReadBandwidthProbe",
+      "A buffer of `bytes`; read_gbps() times one multi-threaded streaming read of all of it")
+      .def(pybind11::init([](int64_t bytes) { return new cpumoe::ReadBandwidthProbe(bytes, cpumoe::torch_parallel()); }),
+           pybind11::arg("bytes"))
+      .def("read_gbps", &cpumoe::ReadBandwidthProbe::read_gbps, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def_property_readonly("bytes", &cpumoe::ReadBandwidthProbe::bytes);
   m.def("measure_read_bandwidth", [](int64_t bytes, int repetitions) {
     auto r = cpumoe::measure_read_bandwidth(bytes, repetitions, cpumoe::torch_parallel());
     return std::make_tuple(r.best_gbps, r.median_gbps);

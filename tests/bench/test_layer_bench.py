@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cpumoe.bench.layer import (
-    LayerCase, LayerResult, add_speedups, experts_config, make_inputs, select_paths, time_call,
+    LayerCase, LayerResult, add_speedups, experts_config, make_inputs, repetitions_for, select_paths,
 )
 from cpumoe.bench.machine import OtherCpuUse
 from cpumoe.cli import main
@@ -49,11 +49,11 @@ def test_select_paths():
         select_paths(config, ["nope"])
 
 
-def test_time_call_repetitions():
-    _, reps = time_call(lambda: None)
-    assert reps >= 3
-    seconds, reps = time_call(lambda: sum(range(1000)), quick=True)
-    assert 1 <= reps <= 3 and seconds > 0
+def test_repetitions_for():
+    assert repetitions_for(1e-6, quick=False) == 30          # capped: each repetition also reads 1 GiB
+    assert repetitions_for(0.5, quick=False) == 3            # at least 3
+    assert repetitions_for(5.0, quick=False) == 2            # a very slow call
+    assert 1 <= repetitions_for(1e-3, quick=True) <= 3
 
 
 def test_other_cpu_use():
@@ -63,9 +63,10 @@ def test_other_cpu_use():
 
 
 def test_speedups():
-    results = [LayerResult("fast", 4, 1.0, 3, 2, 1.0, 1.0, 1.0, 1.0),
-               LayerResult("naive", 4, 5.0, 3, 2, 1.0, 1.0, 1.0, 1.0),
-               LayerResult("fast", 8, 1.0, 3, 2, 1.0, 1.0, 1.0, 1.0)]
+    common = dict(repetitions=3, distinct_experts=2, gflops=1.0, gbs=1.0, bandwidth_gbs=1.0, bandwidth_pct=1.0,
+                  mm_gflops=1.0, peak_pct=1.0)
+    results = [LayerResult("fast", 4, 1.0, **common), LayerResult("naive", 4, 5.0, **common),
+               LayerResult("fast", 8, 1.0, **common)]
     add_speedups(results)
     assert [r.speedup_vs_naive for r in results] == [5.0, 1.0, None]
 
@@ -90,9 +91,10 @@ def test_tiny_bench_json(tmp_path, capsys):
     report = json.loads(out.read_text())
     expected = select_paths(experts_config(TINY, torch.bfloat16))
     results = report["results"]
-    assert [(r["path"], r["tokens"]) for r in results] == [(p, m) for p in expected for m in (1, 3)]
+    assert [(r["path"], r["tokens"]) for r in results] == [(p, m) for m in (1, 3) for p in expected]
     for r in results:
         assert r["ms"] > 0 and r["gflops"] > 0 and r["gbs"] > 0 and r["repetitions"] >= 1, r
+        assert r["bandwidth_gbs"] > 0 and r["mm_gflops"] > 0, r
         assert r["speedup_vs_naive"] is not None and r["speedup_vs_naive"] > 0, r
         assert 1 <= r["distinct_experts"] <= min(4, 2 * r["tokens"]), r
     assert report["machine"]["bandwidth_gbs"] > 0 and report["machine"]["mm_gflops"] > 0

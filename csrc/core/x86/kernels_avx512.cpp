@@ -4,6 +4,7 @@
 #define CPUMOE_TABLE_FN kernels_x86_avx512
 #define CPUMOE_NAME "x86-avx512"
 #define CPUMOE_MAX_ROWS 6
+#define CPUMOE_VEC_BYTES 64
 #include "../kernels_fma.inc"
 
 namespace cpumoe {
