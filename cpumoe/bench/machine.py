@@ -75,7 +75,10 @@ def measure_machine(dtype: torch.dtype = torch.bfloat16, quick: bool = False) ->
 
 class OtherCpuUse:
     """Context manager: `fraction` of all CPUs' time that went to anything but this process while the block ran
-    (None where /proc/stat is missing). Busy time = user + nice + system + irq + softirq + steal."""
+    (None where /proc/stat is missing, or the block took under MIN_WALL_S: /proc/stat counts in 10 ms ticks).
+    Busy time = user + nice + system + irq + softirq + steal."""
+
+    MIN_WALL_S = 1.0
 
     def __init__(self) -> None:
         self.fraction: float | None = None
@@ -87,8 +90,8 @@ class OtherCpuUse:
     def __exit__(self, *exc) -> None:
         wall0, busy0, own0 = self._start
         wall, busy, own = time.monotonic() - wall0, _system_busy_s(), _own_cpu_s() - own0
-        if busy0 is not None and busy is not None and wall > 0:
-            self.fraction = max(0.0, (busy - busy0 - own) / (wall * (os.cpu_count() or 1)))
+        if busy0 is not None and busy is not None and wall >= self.MIN_WALL_S:
+            self.fraction = min(1.0, max(0.0, (busy - busy0 - own) / (wall * (os.cpu_count() or 1))))
 
 
 def _system_busy_s() -> float | None:
