@@ -67,9 +67,14 @@ void parallel_items(const Parallel& parallel, int64_t n, const std::function<voi
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
+  // Workers take runs of consecutive items: consecutive items read consecutive weight blocks, so a run is
+  // one long stream the hardware prefetcher keeps up with (a new stream every block costs ~10% in decode).
+  // Runs are small enough (1/8 of a worker's share) for the last ones to even out skewed items.
+  const int64_t run = std::max<int64_t>(1, n / (int64_t(workers) * 8));
   std::atomic<int64_t> next{0};
   parallel.run(workers, [&](int) {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+    for (int64_t begin = next.fetch_add(run); begin < n; begin = next.fetch_add(run))
+      for (int64_t i = begin; i < std::min(n, begin + run); ++i) fn(i);
   });
 }
 
