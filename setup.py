@@ -48,7 +48,7 @@ setup(
             sources,
             # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header; without it, it runs serially.
             # The extension then shares the libgomp that torch has already loaded.
-            extra_compile_args=["-O3", "-std=c++17", "-fno-math-errno", "-fopenmp", "-Wall", "-Wno-unused-function"],
+            extra_compile_args=["-O3", "-std=c++17", "-fno-math-errno", "-fopenmp", "-Wall", "-Wno-unused-function", "-Wno-psabi"],
             extra_link_args=["-fopenmp"],
         )
     ],

@@ -8,14 +8,16 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "memory.h"
 
 namespace cpumoe {
 
 ReadBandwidthProbe::ReadBandwidthProbe(int64_t bytes, const Parallel& parallel)
     : parallel_(parallel), workers_(std::max(parallel.workers, 1)) {
   slice_ = round_up(std::max<int64_t>(bytes / workers_, 4096), 4096);
-  buf_ = static_cast<char*>(std::aligned_alloc(4096, slice_ * workers_));
+  buf_ = static_cast<char*>(std::aligned_alloc(kHugePageBytes, round_up(slice_ * workers_, kHugePageBytes)));
   if (!buf_) throw std::bad_alloc();
+  advise_huge_pages(buf_, slice_ * workers_);  // as the packed weights are
   each_worker([&](int w) { std::memset(buf_ + w * slice_, 1 + w, slice_); });
   read_gbps();  // warms the threads and the TLBs
 }

@@ -10,6 +10,7 @@
 #include "../core/cpu_features.h"
 #include "../core/fused_moe.h"
 #include "../core/membw.h"
+#include "../core/memory.h"
 #include "../core/pack.h"
 
 namespace cpumoe {
@@ -73,6 +74,7 @@ at::Tensor pack(const at::Tensor& w, const std::string& kernel, bool is_w13) {
   TORCH_CHECK(E > 0 && H > 0 && I > 0, what, " has an empty dimension: ", w.sizes());
   PackedShape s = is_w13 ? w13_packed_shape(H, I, kt.layout) : w2_packed_shape(H, I, kt.layout);
   at::Tensor out = at::empty({E, s.blocks, s.block_elems}, w.options());
+  advise_huge_pages(out.data_ptr(), out.nbytes());  // before packing writes (first-touches) it
   const void* src = w.data_ptr();
   void* dst = out.data_ptr();
   at::parallel_for(0, E, 1, [&](int64_t b, int64_t e) {
