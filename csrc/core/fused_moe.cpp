@@ -88,14 +88,20 @@ void parallel_items(const Parallel& parallel, int64_t n, const std::function<voi
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  // Workers take runs of consecutive items: consecutive items read consecutive weight blocks, so a run is
+  // Workers claim runs of consecutive items: consecutive items read consecutive weight blocks, so a run is
   // one long stream the hardware prefetcher keeps up with (a new stream every block costs ~10% in decode).
-  // Runs are small enough (1/8 of a worker's share) for the last ones to even out skewed items.
-  const int64_t run = std::max<int64_t>(1, n / (int64_t(workers) * 8));
+  // Runs are guided: each takes a 1/(2 x workers) share of what is left, so the last ones are single items
+  // and the workers finish together even with skewed items.
   std::atomic<int64_t> next{0};
   parallel.run(workers, [&](int) {
-    for (int64_t begin = next.fetch_add(run); begin < n; begin = next.fetch_add(run))
-      for (int64_t i = begin; i < std::min(n, begin + run); ++i) fn(i);
+    for (;;) {
+      int64_t begin = next.load(std::memory_order_relaxed), run;
+      do {
+        if (begin >= n) return;
+        run = std::max<int64_t>(1, (n - begin) / (2 * int64_t(workers)));
+      } while (!next.compare_exchange_weak(begin, begin + run, std::memory_order_relaxed));
+      for (int64_t i = begin; i < begin + run; ++i) fn(i);
+    }
   });
 }
 
