@@ -112,3 +112,11 @@ def test_ops_trace_under_compile():
     torch.library.opcheck(torch.ops.cpumoe.pack_w13.default, (p.w13, layer.backend), test_utils=("test_faketensor",))
     compiled = torch.compile(lambda x, w, i: ops.fused_experts(x, args[1], args[2], w, i, **kwargs), fullgraph=True)
     torch.testing.assert_close(compiled(p.x, p.topk_weights, p.topk_ids), layer.experts(p.x, p.topk_weights, p.topk_ids))
+
+
+@pytest.mark.parametrize("path,dtype", path_dtype_grid())
+def test_empty_batch(path, dtype):
+    p = make_problem(MoECase(M=3, H=64, I=32, E=4, k=2), dtype)
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2, backend=path)
+    out = layer(p.x[:0], torch.zeros(0, 4))
+    assert out.shape == (0, 64) and out.dtype == dtype
