@@ -2,6 +2,7 @@
 
     cpumoe info [--preset P] [--dtype bf16]        this CPU, the experts paths, and which one a layer gets
     cpumoe bench layer --preset P --tokens 1,8,..  time one MoE layer on every path this CPU can run
+    cpumoe make-model --preset P --layers N --out D  write a synthetic Hugging Face checkpoint of a real model
 
 Each subcommand is a parser built by `_add_<name>` and a handler `_cmd_<name>(args) -> exit code`.
 """
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_info(commands)
     _add_bench(commands)
+    _add_make_model(commands)
     return parser
 
 
@@ -184,3 +186,65 @@ def _cmd_bench_layer(args) -> int:
             json.dump(report, f, indent=2)
         console.print(f"results written to {args.json}")
     return 0
+
+
+# ---- cpumoe make-model ------------------------------------------------------------------------------------------
+
+def _add_make_model(commands) -> None:
+    p = commands.add_parser("make-model", help="write a synthetic Hugging Face checkpoint with a real model's shapes")
+    p.add_argument("--preset", default=DEFAULT_PRESET, help=f"model (default {DEFAULT_PRESET})")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default: the real model's)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="bf16 (default), fp32 or fp16")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)   # tests: tiny hidden/experts sizes
+    p.set_defaults(func=_cmd_make_model)
+
+
+def _cmd_make_model(args) -> int:
+    from pathlib import Path
+
+    from rich.progress import Progress
+
+    from cpumoe.synthetic import make_checkpoint, tiny_overrides
+
+    console = _console()
+    try:
+        overrides = tiny_overrides(args.preset) if args.tiny else None
+        with Progress(console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("writing shards", total=None)
+            out = make_checkpoint(args.preset, args.out, layers=args.layers, vocab=args.vocab, seed=args.seed,
+                                  dtype=args.dtype, overrides=overrides,
+                                  progress=lambda done, total, _: bar.update(task, completed=done, total=total))
+    except ValueError as e:
+        sys.exit(f"cpumoe make-model: error: {e}")
+    files = sorted(p for p in Path(out).iterdir() if p.is_file())
+    table = Table(title=f"{args.preset}, {args.layers} layers -> {out}", title_justify="left")
+    table.add_column("file", no_wrap=True)
+    table.add_column("size", justify="right")
+    for f in files:
+        table.add_row(f.name, _size(f.stat().st_size))
+    console.print(table)
+    from safetensors import safe_open
+    params = 0
+    for f in files:
+        if f.suffix == ".safetensors":
+            with safe_open(f, "pt") as st:
+                params += sum(_numel(st.get_slice(k).get_shape()) for k in st.keys())
+    console.print(f"total {_size(sum(f.stat().st_size for f in files))}, {params:,} parameters ({params / 1e9:.2f} B)")
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if nbytes < 1000 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1000
