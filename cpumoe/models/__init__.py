@@ -1,0 +1,83 @@
+"""Models, picked by config.json's model_type, and their declarative weight loading.
+
+    load_model(path) -> Checkpoint(path) -> MODELS[model_type] built on the meta device
+                     -> every parameter <- the checkpoint tensor of its name
+                     -> every MoEBlock <- w13 / w2 stacked expert by expert (model.expert_weights) -> FusedMoE packs
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cpumoe.loader import Checkpoint, CheckpointError
+from cpumoe.models.blocks import ExpertWeights, MoEBlock
+from cpumoe.models.qwen3_moe import Qwen3MoeForCausalLM
+
+MODELS: dict[str, type[nn.Module]] = {
+    "qwen3_moe": Qwen3MoeForCausalLM,
+}
+
+__all__ = ["MODELS", "load_model", "load_weights", "model_class"]
+
+
+def model_class(model_type: str) -> type[nn.Module]:
+    if model_type not in MODELS:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(MODELS))}")
+    return MODELS[model_type]
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None, backend: str = "auto") -> nn.Module:
+    """Build the model a local checkpoint directory describes and load its weights (dtype: config's by default)."""
+    ckpt = Checkpoint(path)
+    cls = model_class(ckpt.model_type)
+    dtype = dtype or ckpt.torch_dtype or torch.float32
+    config = cls.config_class.from_checkpoint(ckpt)
+    with torch.device("meta"):
+        model = cls(config, backend=backend)
+    load_weights(model, ckpt, dtype)
+    return model.eval()
+
+
+def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None:
+    for name, param in list(model.named_parameters()):
+        tensor = _read(ckpt, name, tuple(param.shape))
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        setattr(module, attr, nn.Parameter(tensor.to(dtype).contiguous(), requires_grad=False))
+    for prefix, block in model.named_modules():
+        if isinstance(block, MoEBlock):
+            shapes = block.expert_shapes
+            weights = {key: _stack_experts(ckpt, prefix, spec, shapes[key], dtype)
+                       for key, spec in model.expert_weights.items()}
+            block.load_experts(**weights)  # FusedMoE packs; the stacked copies are dropped after this layer
+            del weights
+
+
+def _read(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    tensor = ckpt.get(name)
+    if tuple(tensor.shape) != shape:
+        raise CheckpointError(f"tensor {name!r} in {ckpt.path} has shape {list(tensor.shape)}, expected {list(shape)}")
+    return tensor
+
+
+def _stack_experts(ckpt: Checkpoint, prefix: str, spec: ExpertWeights, shape: tuple[int, ...],
+                   dtype: torch.dtype) -> torch.Tensor:
+    """[E, rows, cols] from per-expert tensors concatenated on their dim 0, or from one fused tensor."""
+    if spec.fused is not None and f"{prefix}.{spec.fused}" in ckpt:
+        return _read(ckpt, f"{prefix}.{spec.fused}", shape).to(dtype).contiguous()
+    out = torch.empty(shape, dtype=dtype)  # [E, rows, cols]
+    for e in range(shape[0]):
+        row = 0
+        for pattern in spec.per_expert:
+            name = f"{prefix}.{pattern.format(e=e)}"
+            part = ckpt.get(name)  # [rows_part, cols]
+            if part.dim() != 2 or part.shape[1] != shape[2] or row + part.shape[0] > shape[1]:
+                raise CheckpointError(f"tensor {name!r} in {ckpt.path} has shape {list(part.shape)}, which does "
+                                      f"not fit expert rows [{row}:] of {list(shape[1:])}")
+            out[e, row:row + part.shape[0]].copy_(part)
+            row += part.shape[0]
+        if row != shape[1]:
+            raise CheckpointError(f"experts {spec.per_expert} of {prefix} fill {row} rows, expected {shape[1]}")
+    return out

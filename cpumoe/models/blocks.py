@@ -1,0 +1,140 @@
+"""Blocks shared by the decoder-only models: RMSNorm, rotary embedding, causal GQA attention, gated MLP, MoE.
+
+Numerics follow transformers' Llama/Qwen family, so logits match it in bf16 as well as fp32: norms compute in
+fp32 and cast back before the weight; cos/sin are built in fp32 and cast to the activations' dtype.
+Shapes: B batch, T tokens, H hidden, nh / nkv query / key-value heads, d head_dim, E experts, I inter size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpumoe.layer import FusedMoE
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class RotaryEmbedding(nn.Module):
+    """Default RoPE (rotate-half layout): inv_freq[i] = theta^(-2i/d). No buffers: cheap to rebuild per call."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))  # [d/2]
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}"
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, d]; cos, sin [T, d]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention over the whole sequence (no KV cache yet), optional per-head q/k RMSNorm."""
+
+    def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope_theta: float,
+                 qk_norm: bool, norm_eps: float, bias: bool = False):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(head_dim, rope_theta)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x [B, T, H], positions [T]
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, nh, d]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, nkv, d]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, nkv, d]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, d]
+        cos, sin = self.rotary(positions, x.dtype)  # [T, d]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, nh, T, d]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))  # [B, T, H]
+
+
+class GatedMLP(nn.Module):
+    """Dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, inter_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, inter_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, inter_size, bias=False)
+        self.down_proj = nn.Linear(inter_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """Where one fused experts tensor (w13 or w2) comes from, in names relative to the MoE block.
+
+    per_expert: tensors for expert "{e}", concatenated on dim 0 and stacked over experts (published checkpoints:
+        ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight") -> w13 [E, 2I, H]).
+    fused: the same data already stacked [E, ...] under one name (transformers' in-memory layout), if present.
+    """
+    per_expert: tuple[str, ...]
+    fused: str | None = None
+
+
+class MoEBlock(nn.Module):
+    """Router linear -> cpumoe.FusedMoE. The experts arrive after construction, through `load_experts`,
+    because FusedMoE packs its weights once for the kernel it picks."""
+
+    def __init__(self, *, hidden_size: int, num_experts: int, inter_size: int, top_k: int, renormalize: bool,
+                 backend: str = "auto"):
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # router: weight [E, H]
+        self.num_experts, self.inter_size, self.hidden_size = num_experts, inter_size, hidden_size
+        self.top_k, self.renormalize, self.backend = top_k, renormalize, backend
+        self.experts: FusedMoE | None = None
+
+    @property
+    def expert_shapes(self) -> dict[str, tuple[int, ...]]:
+        E, I, H = self.num_experts, self.inter_size, self.hidden_size
+        return {"w13": (E, 2 * I, H), "w2": (E, H, I)}
+
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:  # w13 [E, 2I, H], w2 [E, H, I]
+        self.experts = FusedMoE(w13, w2, top_k=self.top_k, renormalize=self.renormalize, backend=self.backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H]
+        if self.experts is None:
+            raise RuntimeError("MoEBlock has no experts yet: load the model with cpumoe.models.load_model")
+        flat = x.reshape(-1, x.shape[-1])  # [M, H]
+        router_logits = self.gate(flat)  # [M, E]
+        return self.experts(flat, router_logits).view(x.shape)  # [..., H]
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, renormalize={self.renormalize}"
