@@ -1,0 +1,83 @@
+"""Token sampling: one next token per row of a batch of logits, each row with its own SamplingParams.
+
+    logits [B, V] -> greedy rows: argmax
+                  -> the other rows: / temperature -> top-k -> top-p -> softmax -> multinomial (row's generator)
+
+Filtering is batched (one sort for all rows that filter); a row's masked distribution depends only on its own
+logits and parameters, so a seeded row draws the same token whatever else shares the batch. Rows with their own
+generator draw one multinomial each; rows without one share a single call on torch's default RNG.
+"""
+from __future__ import annotations
+
+import torch
+
+from cpumoe.engine.api import SamplingParams
+
+# Below this temperature logits / T can overflow float32 and softmax would give NaN; such rows are greedy,
+# which is what the distribution tends to anyway (vLLM draws the same line).
+GREEDY_EPS = 1e-5
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """A CPU generator seeded with `params.seed`; None when the request has no seed (it uses the default RNG)."""
+    if params.seed is None:
+        return None
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(params.seed)
+    return generator
+
+
+def _filter_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Set to -inf the logits outside each row's top-k, then outside its nucleus (the smallest set of the
+    largest probabilities, after top-k, whose sum reaches top_p; the top token always stays). x: [R, V]."""
+    R, V = x.shape
+    ks = [k if 0 < k < V else V for k in top_k]
+    if all(k == V for k in ks) and all(p >= 1.0 for p in top_p):
+        return x
+    # A stable sort keeps the lowest id first among equal logits, so ties at a top-k boundary are deterministic.
+    sorted_x, sorted_ids = x.sort(dim=-1, descending=True, stable=True)         # [R, V], [R, V]
+    positions = torch.arange(V).unsqueeze(0)                                     # [1, V]
+    remove = positions >= torch.tensor(ks).unsqueeze(1)                          # [R, V]
+    if any(p < 1.0 for p in top_p):
+        probs = sorted_x.masked_fill(remove, float("-inf")).softmax(dim=-1)     # [R, V]
+        mass_before = probs.cumsum(dim=-1) - probs                               # [R, V], 0 for the top token
+        remove |= mass_before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+    remove = torch.zeros_like(remove).scatter_(-1, sorted_ids, remove)           # back to vocabulary order
+    return x.masked_fill(remove, float("-inf"))
+
+
+class Sampler:
+    """Stateless; the engine keeps one generator per request (make_generator) and passes them in row order."""
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None]) -> torch.LongTensor:
+        """logits: float32 [B, V]; params, generators: B each. Returns the sampled ids, int64 [B]."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        B, V = logits.shape
+        if len(params) != B or len(generators) != B:
+            raise ValueError(f"{B} rows of logits but {len(params)} params and {len(generators)} generators")
+        logits = logits.float()
+        greedy = [p.temperature < GREEDY_EPS for p in params]
+        if all(greedy):
+            return logits.argmax(dim=-1)                     # [B]; ties -> the first (lowest) id
+        out = torch.empty(B, dtype=torch.long)
+        greedy_rows = [i for i in range(B) if greedy[i]]
+        if greedy_rows:
+            out[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+
+        rows = [i for i in range(B) if not greedy[i]]
+        row_params = [params[i] for i in rows]
+        temperature = torch.tensor([p.temperature for p in row_params], dtype=torch.float32).unsqueeze(1)
+        x = logits[rows] / temperature                                                # [R, V]
+        x = _filter_top_k_top_p(x, [p.top_k for p in row_params], [p.top_p for p in row_params])
+        probs = x.softmax(dim=-1)                                                     # [R, V]
+
+        shared = [r for r, i in enumerate(rows) if generators[i] is None]
+        if shared:
+            drawn = torch.multinomial(probs[shared], 1).squeeze(1)                    # [len(shared)]
+            out[[rows[r] for r in shared]] = drawn
+        for r, i in enumerate(rows):
+            if generators[i] is not None:
+                out[i] = torch.multinomial(probs[r], 1, generator=generators[i])[0]
+        return out
