@@ -6,7 +6,7 @@ Shapes: B batch, T tokens, H hidden, nh / nkv query / key-value heads, d head_di
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -48,13 +48,58 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, d]; cos, sin [T, d]."""
+    """x [B, heads, T, d] with cos, sin [T, d]; or x [T, heads, d] with cos, sin [T, 1, d]."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+@dataclass(slots=True)
+class AttentionContext:
+    """Where one engine step's flat tokens belong: S sequences, T = sum(query_lens) tokens, sequence i's tokens
+    contiguous and in order. Sequence i has context_lens[i] tokens in all (cached + new); its query_lens[i] new
+    tokens are the last ones (a prefill chunk, or 1 for a decode) and attend causally to all of them.
+
+    positions [T] long            position of each new token in its sequence (RoPE)
+    slot_mapping [T] long         where each new token's K/V goes: block * block_size + offset
+    block_tables list of [n_i] long  sequence i's cache blocks, in order (n_i * block_size >= context_lens[i])
+    kv_caches                     per layer (k, v), each [num_blocks, block_size, nkv, d] in the model dtype
+    """
+    positions: torch.Tensor
+    query_lens: list[int]
+    context_lens: list[int]
+    slot_mapping: torch.Tensor
+    block_tables: list[torch.Tensor]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    context: AttentionContext) -> torch.Tensor:
+    """Reference paged attention: per sequence, gather its cached K/V blocks and call SDPA (GQA by enable_gqa).
+    q [T, nh, d]; k_cache, v_cache [num_blocks, block_size, nkv, d] -> [T, nh, d]."""
+    out = torch.empty_like(q)
+    start = 0
+    for q_len, ctx_len, blocks in zip(context.query_lens, context.context_lens, context.block_tables):
+        nkv, d = k_cache.shape[2], k_cache.shape[3]
+        k = k_cache[blocks].view(-1, nkv, d)[:ctx_len].transpose(0, 1)  # [nkv, ctx, d]
+        v = v_cache[blocks].view(-1, nkv, d)[:ctx_len].transpose(0, 1)  # [nkv, ctx, d]
+        qi = q[start:start + q_len].transpose(0, 1)  # [nh, q_len, d]
+        if q_len == 1:  # a decode sees everything
+            o = F.scaled_dot_product_attention(qi, k, v, enable_gqa=True)
+        elif q_len == ctx_len:  # a whole prompt at once
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, enable_gqa=True)
+        else:  # a later prefill chunk: query j sees keys up to ctx_len - q_len + j (bottom-right causal)
+            mask = torch.ones(q_len, ctx_len, dtype=torch.bool).tril(diagonal=ctx_len - q_len)  # [q_len, ctx]
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, enable_gqa=True)
+        out[start:start + q_len] = o.transpose(0, 1)  # [q_len, nh, d]
+        start += q_len
+    return out
+
+
 class Attention(nn.Module):
-    """Causal grouped-query attention over the whole sequence (no KV cache yet), optional per-head q/k RMSNorm."""
+    """Causal grouped-query attention, optional per-head q/k RMSNorm. Two ways in:
+    - forward(x [B, T, H], positions [T]): the whole sequence at once, no cache (reference / tests);
+    - forward(x [T, H], positions, context=AttentionContext, layer=l): flat tokens of several sequences; the new
+      K/V go into layer l's paged cache, and each sequence attends over its cached context."""
 
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope_theta: float,
                  qk_norm: bool, norm_eps: float, bias: bool = False):
@@ -70,8 +115,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(head_dim, rope_theta)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x [B, T, H], positions [T]
-        B, T, _ = x.shape
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: AttentionContext | None = None,
+                layer: int = 0) -> torch.Tensor:
+        if context is not None:
+            return self._forward_paged(x, positions, context, layer)
+        B, T, _ = x.shape  # x [B, T, H], positions [T]
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, nh, d]
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, nkv, d]
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, nkv, d]
@@ -82,6 +130,22 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, nh, T, d]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))  # [B, T, H]
+
+    def _forward_paged(self, x: torch.Tensor, positions: torch.Tensor, context: AttentionContext,
+                       layer: int) -> torch.Tensor:  # x [T, H], positions [T]
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, nh, d]
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, d]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, d]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rotary(positions, x.dtype)  # [T, d]
+        q, k = apply_rotary(q, cos[:, None], sin[:, None]), apply_rotary(k, cos[:, None], sin[:, None])
+        k_cache, v_cache = context.kv_caches[layer]  # [num_blocks, block_size, nkv, d]
+        k_cache.view(-1, self.num_kv_heads, self.head_dim)[context.slot_mapping] = k.to(k_cache.dtype)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim)[context.slot_mapping] = v.to(v_cache.dtype)
+        out = paged_attention(q, k_cache, v_cache, context)  # [T, nh, d]
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
 
 class GatedMLP(nn.Module):

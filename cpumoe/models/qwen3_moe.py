@@ -2,6 +2,10 @@
 
     input_ids [B, T] -> embed -> N x [x += attn(norm(x)); x += mlp(norm(x))] -> norm -> lm_head -> logits [B, T, V]
 
+With an AttentionContext (the engine): input_ids [T] are the flat new tokens of several sequences, attention
+reads and writes the paged KV cache, and logits come only for the rows in `logits_indices` (one per sampling
+sequence), float32 [len(logits_indices), V].
+
 mlp is a MoEBlock (router + cpumoe.FusedMoE, softmax top-k, renormalized when norm_topk_prob) on layers
 l with (l + 1) % decoder_sparse_step == 0 and l not in mlp_only_layers; a dense GatedMLP elsewhere.
 Module names follow the checkpoint's, so every parameter loads from the tensor of the same name;
@@ -16,7 +20,7 @@ import torch
 from torch import nn
 
 from cpumoe.loader import Checkpoint, CheckpointError
-from cpumoe.models.blocks import Attention, ExpertWeights, GatedMLP, MoEBlock, RMSNorm
+from cpumoe.models.blocks import Attention, AttentionContext, ExpertWeights, GatedMLP, MoEBlock, RMSNorm
 
 
 @dataclass(slots=True)
@@ -77,6 +81,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Qwen3MoeConfig, layer: int, backend: str):
         super().__init__()
         c = config
+        self.layer_idx = layer
         self.self_attn = Attention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
                                    num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
                                    qk_norm=True, norm_eps=c.rms_norm_eps, bias=c.attention_bias)
@@ -89,8 +94,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x [B, T, H]
-        x = x + self.self_attn(self.input_layernorm(x), positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                context: AttentionContext | None = None) -> torch.Tensor:  # x [B, T, H] or, with context, [T, H]
+        x = x + self.self_attn(self.input_layernorm(x), positions, context, self.layer_idx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -101,11 +107,12 @@ class Qwen3MoeModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, H]
-        positions = torch.arange(input_ids.shape[-1])  # [T]
-        x = self.embed_tokens(input_ids)  # [B, T, H]
+    def forward(self, input_ids: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
+        # no context: [B, T] -> [B, T, H]; with context: flat [T] -> [T, H]
+        positions = torch.arange(input_ids.shape[-1]) if context is None else context.positions  # [T]
+        x = self.embed_tokens(input_ids)  # [B, T, H] or [T, H]
         for layer in self.layers:
-            x = layer(x, positions)
+            x = layer(x, positions, context)
         return self.norm(x)
 
 
@@ -127,10 +134,18 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [B, T] or [T] -> float32 [B, T, V] or [T, V]
+    def forward(self, input_ids: torch.Tensor, context: AttentionContext | None = None,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """No context: [B, T] or [T] -> float32 [B, T, V] or [T, V], the whole sequence without a cache.
+        With context: flat [T] -> float32 [len(logits_indices), V] (all T rows when logits_indices is None)."""
+        if context is not None:
+            h = self.model(input_ids, context)  # [T, H]
+            return self.compute_logits(h if logits_indices is None else h[logits_indices])
         squeeze = input_ids.dim() == 1
         ids = input_ids[None] if squeeze else input_ids  # [B, T]
-        h = self.model(ids)  # [B, T, H]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, H]
-        logits = torch.nn.functional.linear(h, weight).float()  # [B, T, V]
+        logits = self.compute_logits(self.model(ids))  # [B, T, V]
         return logits[0] if squeeze else logits
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> float32 [..., V]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, H]
+        return torch.nn.functional.linear(h, weight).float()

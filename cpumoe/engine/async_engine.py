@@ -1,0 +1,144 @@
+"""AsyncEngine: LLMEngine for asyncio servers. One background thread owns the LLMEngine and steps it while
+requests exist; coroutines talk to it through a command list and per-request asyncio queues.
+
+    generate(id, ids, params) -> ("add", ...) -> engine thread: add_request, step(), step(), ...
+                              <- RequestOutput per step, put on the request's queue with call_soon_threadsafe
+    consumer closes the iterator early (client gone) -> ("abort", id) -> its KV blocks are freed
+
+Hooks: `on_token` callbacks (request_id, is_first, t) run in the engine thread for every generated token
+(t = time.perf_counter()), enough for TTFT and inter-token latency; `stats()` also counts tokens processed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import torch
+
+from cpumoe.engine.api import RequestOutput, SamplingParams
+from cpumoe.engine.config import EngineConfig
+from cpumoe.engine.engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+TokenHook = Callable[[str, bool, float], None]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, *, model_name: str | None = None):
+        self.engine = engine
+        self.model_name = model_name or engine.model_path.name
+        self.on_token: list[TokenHook] = []
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._commands: list[tuple] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="cpumoe-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_path(cls, model_path: str | Path, *, dtype: torch.dtype | None = None, backend: str = "auto",
+                  config: EngineConfig | None = None, model_name: str | None = None) -> "AsyncEngine":
+        return cls(LLMEngine(model_path, dtype=dtype, backend=backend, config=config), model_name=model_name)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.engine.stats(), tokens_processed=self.engine.num_tokens_processed,
+                    tokens_generated=self.engine.num_tokens_generated)
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's RequestOutputs as the engine produces them; the last one has finished=True. Raises the
+        engine's ValueError for a bad request (empty or too long prompt, duplicate id)."""
+        if request_id in self._queues:
+            raise ValueError(f"request {request_id!r} already exists")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        self._submit(("add", request_id, list(prompt_token_ids), params or SamplingParams()))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # the consumer went away: free the request's KV blocks
+                self._submit(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread ------------------------------------------------------------------------------------
+
+    def _submit(self, command: tuple) -> None:
+        with self._cv:
+            self._commands.append(command)
+            self._cv.notify()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        target = self._queues.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not (self._commands or self._stopping or engine.has_unfinished()):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                commands, self._commands = self._commands, []
+            for command in commands:
+                if command[0] == "add":
+                    _, request_id, ids, params = command
+                    try:
+                        engine.add_request(request_id, ids, params)
+                    except ValueError as e:
+                        self._deliver(request_id, e)
+                else:
+                    engine.abort(command[1])
+            if not engine.has_unfinished():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a failed step fails every request in flight
+                log.exception("engine step failed")
+                for request_id in list(engine.seqs):
+                    engine.abort(request_id)
+                    self._deliver(request_id, RuntimeError(f"engine step failed: {e}"))
+                engine.step()  # drop the abort outputs
+                continue
+            t = time.perf_counter()
+            for out in outputs:
+                if out.new_token_ids:
+                    for hook in self.on_token:
+                        try:
+                            hook(out.request_id, out.completion_tokens == 1, t)
+                        except Exception:
+                            log.exception("on_token hook failed")
+                self._deliver(out.request_id, out)

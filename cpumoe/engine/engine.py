@@ -1,0 +1,199 @@
+"""LLMEngine: requests in, RequestOutputs out, one step at a time.
+
+    add_request(id, prompt_token_ids, params) -> Sequence -> Scheduler.waiting
+    step():  schedule() -> ScheduledBatch  ->  run(): ModelRunner (KV cache, model, Sampler) -> token per sampling seq
+             -> postprocess(): append, detokenize, finish (eos / stop token / stop string -> "stop";
+                max_tokens or max_model_len -> "length"), free finished sequences' blocks -> [RequestOutput]
+    abort(id): frees the blocks at once; the next step() reports it with finish_reason "abort".
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from cpumoe.engine.api import RequestOutput, SamplingParams
+from cpumoe.engine.config import EngineConfig
+from cpumoe.engine.detokenize import IncrementalDetokenizer
+from cpumoe.engine.kv_cache import KVCache
+from cpumoe.engine.runner import ModelRunner
+from cpumoe.engine.sampling import make_generator
+from cpumoe.engine.scheduler import ScheduledBatch, Scheduler, Sequence
+from cpumoe.models import load_model
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str | Path):
+    """transformers.AutoTokenizer from the checkpoint directory, or None when it has no tokenizer."""
+    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _ids(value) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
+
+
+class LLMEngine:
+    def __init__(self, model_path: str | Path, *, dtype: torch.dtype | None = None, backend: str = "auto",
+                 config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model_path = Path(model_path)
+        self.model = load_model(model_path, dtype=dtype, backend=backend)
+        self.tokenizer = load_tokenizer(model_path)
+        mc = self.model.config
+        self.dtype = self.model.model.embed_tokens.weight.dtype
+
+        hf_config = json.loads((self.model_path / "config.json").read_text())
+        self.eos_token_ids = _ids(hf_config.get("eos_token_id"))
+        gen_config = self.model_path / "generation_config.json"
+        if gen_config.is_file():
+            self.eos_token_ids |= _ids(json.loads(gen_config.read_text()).get("eos_token_id"))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+        shape = dict(num_layers=mc.num_hidden_layers, block_size=config.block_size,
+                     num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, dtype=self.dtype)
+        num_blocks = config.num_blocks or config.kv_cache_bytes // KVCache.bytes_per_block(**shape)
+        capacity = num_blocks * config.block_size
+        max_len = config.max_model_len or hf_config.get("max_position_embeddings") or capacity
+        if config.max_model_len is None:
+            max_len = min(max_len, capacity)
+        if max_len > capacity:
+            raise ValueError(f"max_model_len {max_len} does not fit the KV cache ({num_blocks} blocks of "
+                             f"{config.block_size} tokens = {capacity}); raise kv_cache_bytes or num_blocks")
+        if max_len < 2:
+            raise ValueError(f"the KV cache holds {capacity} tokens: too small (kv_cache_bytes / num_blocks)")
+        self.max_model_len = max_len
+        self.kv_cache = KVCache(num_blocks=num_blocks, **shape)
+        self.scheduler = Scheduler(config, num_blocks)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.generator = torch.Generator().manual_seed(config.seed)  # requests without a seed
+        self.seqs: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []   # aborts, reported by the next step()
+        self._arrivals = itertools.count()
+        self.num_tokens_processed = 0   # tokens run through the model (prefill + decode)
+        self.num_tokens_generated = 0
+        log.info("engine: %s, %d KV blocks x %d tokens, max_model_len %d", self.model_path.name, num_blocks,
+                 config.block_size, max_len)
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.seqs:
+            raise ValueError(f"request {request_id!r} already exists")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}"
+                             " (prompt + at least one generated token)")
+        detok = (IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), list(params.stop))
+                 if self.tokenizer is not None else None)
+        generator = make_generator(params)
+        if generator is None and params.temperature > 0:
+            generator = self.generator
+        seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids),
+                       num_prompt_tokens=len(prompt_token_ids), params=params, generator=generator,
+                       detokenizer=detok, arrival=next(self._arrivals))
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request and free its KV blocks now. False when it is unknown or already finished."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self._pending.append(self._output(seq, [], "", finished=True))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        tokens = self.runner.run(batch)
+        return outputs + self.postprocess(batch, tokens)
+
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[RequestOutput]:
+        outputs = []
+        sampled = iter(tokens)
+        self.num_tokens_processed += batch.num_tokens
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            samples = batch.samples(i)
+            seq.num_computed_tokens += n
+            if not samples:
+                continue
+            token = next(sampled)
+            seq.token_ids.append(token)
+            self.num_tokens_generated += 1
+            text, hit_stop = seq.detokenizer.add(token) if seq.detokenizer is not None else ("", False)
+            p = seq.params
+            reason = None
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids or hit_stop:
+                reason = "stop"
+            elif seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                if not hit_stop and seq.detokenizer is not None:
+                    text += seq.detokenizer.finish()  # what it held back as a possible stop-string start
+                self.scheduler.finish(seq, reason)
+                del self.seqs[seq.request_id]
+            seq.output_text += text
+            outputs.append(self._output(seq, [token], text, finished=reason is not None))
+        return outputs
+
+    @staticmethod
+    def _output(seq: Sequence, new_token_ids: list[int], text: str, *, finished: bool) -> RequestOutput:
+        return RequestOutput(request_id=seq.request_id, new_token_ids=new_token_ids, new_text=text,
+                             finished=finished, finish_reason=seq.finish_reason if finished else None,
+                             prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_completion_tokens)
+
+    # ---- offline ------------------------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int], *, chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_path} has no tokenizer: pass token ids")
+        if chat:
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                           add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; one RequestOutput per prompt with all its token ids and text."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
+        results = {rid: RequestOutput(request_id=rid, new_token_ids=[], new_text="") for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, self.encode(prompt), p)
+        while any(not results[rid].finished for rid in ids):
+            for out in self.step():
+                if out.request_id in results:
+                    r = results[out.request_id]
+                    r.new_token_ids += out.new_token_ids
+                    r.new_text += out.new_text
+                    r.finished, r.finish_reason = out.finished, out.finish_reason
+                    r.prompt_tokens, r.completion_tokens = out.prompt_tokens, out.completion_tokens
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> dict[str, int]:
+        bm = self.scheduler.block_manager
+        return dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                    kv_blocks_used=bm.num_used, kv_blocks_total=bm.num_blocks)
