@@ -3,6 +3,8 @@
     cpumoe info [--preset P] [--dtype bf16]        this CPU, the experts paths, and which one a layer gets
     cpumoe bench layer --preset P --tokens 1,8,..  time one MoE layer on every path this CPU can run
     cpumoe make-model --preset P --layers N --out D  write a synthetic Hugging Face checkpoint of a real model
+    cpumoe generate MODEL --prompt TEXT [--chat]    stream a completion from a local checkpoint, then tokens/s
+    cpumoe serve MODEL [--host H --port P --api-key K]  an OpenAI-compatible server (/v1/completions, /v1/chat/...)
 
 Each subcommand is a parser built by `_add_<name>` and a handler `_cmd_<name>(args) -> exit code`.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 import torch
@@ -33,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_info(commands)
     _add_bench(commands)
     _add_make_model(commands)
+    _add_generate(commands)
+    _add_serve(commands)
     return parser
 
 
@@ -248,3 +253,86 @@ def _size(nbytes: int) -> str:
         if nbytes < 1000 or unit == "GB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
         nbytes /= 1000
+
+
+# ---- cpumoe serve -----------------------------------------------------------------------------------------------
+
+def _add_serve(commands) -> None:
+    p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model", metavar="MODEL", help="a Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("CPUMOE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 (default: $CPUMOE_API_KEY; none: open)")
+    p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="bf16 (default), fp32 or fp16")
+    p.add_argument("--max-model-len", type=int, help="context length: prompt + generated tokens (default: the "
+                                                    "model's)")
+    p.add_argument("--served-model-name", help="the name clients send as `model` (default: the engine's)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args) -> int:
+    if not 0 < args.port < 65536:
+        sys.exit(f"cpumoe serve: error: --port must be in 1..65535, got {args.port}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        sys.exit(f"cpumoe serve: error: --max-model-len must be at least 2, got {args.max_model_len}")
+    from cpumoe.engine.async_engine import AsyncEngine
+    from cpumoe.engine.config import EngineConfig
+    from cpumoe.server import serve
+
+    try:
+        engine = AsyncEngine.from_path(args.model, dtype=args.dtype,
+                                       config=EngineConfig(max_model_len=args.max_model_len),
+                                       model_name=args.served_model_name)
+    except (OSError, ValueError) as e:   # no such checkpoint, a config the engine rejects
+        sys.exit(f"cpumoe serve: error: {e}")
+    serve(engine, args.host, args.port, api_key=args.api_key, log_level=args.log_level)
+    return 0
+
+
+# ---- cpumoe generate --------------------------------------------------------------------------------------------
+
+def _add_generate(commands) -> None:
+    p = commands.add_parser("generate", help="stream a completion from a local checkpoint, then tokens/s")
+    p.add_argument("model", help="checkpoint directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
+    p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--dtype", type=_dtype, help="weights and KV cache dtype (default: the checkpoint's)")
+    p.add_argument("--backend", default="auto", help="experts path (default: the oracle's choice)")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GB (default 1)")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args) -> int:
+    import time
+
+    from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+        config = EngineConfig(kv_cache_bytes=max(1, int(args.kv_cache_gb * 1e9)))
+        engine = LLMEngine(args.model, dtype=args.dtype, backend=args.backend, config=config)
+        prompt_ids = engine.encode(args.prompt, chat=args.chat)
+        engine.add_request("cli", prompt_ids, params)
+    except ValueError as e:   # bad sampling values, checkpoint errors, a prompt that does not fit
+        sys.exit(f"cpumoe generate: error: {e}")
+    start = time.perf_counter()
+    first = out = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if first is None and out.new_token_ids:
+                first = time.perf_counter()
+            print(out.new_text, end="", flush=True)
+    end = time.perf_counter()
+    print()
+    n = out.completion_tokens if out else 0
+    decode = f", decode {(n - 1) / (end - first):.1f} tokens/s" if first is not None and n > 1 and end > first else ""
+    print(f"[{n} tokens in {end - start:.2f} s: {n / (end - start):.1f} tokens/s; prompt {len(prompt_ids)} tokens, "
+          f"first token {(first or end) - start:.3f} s{decode}; finish {out.finish_reason if out else '-'}]")
+    return 0
