@@ -121,7 +121,8 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
             return SamplingParams(max_tokens=max_tokens,
                                   temperature=1.0 if body.temperature is None else body.temperature,
                                   top_p=1.0 if body.top_p is None else body.top_p,
-                                  top_k=max(body.top_k or 0, 0), seed=body.seed, stop=body.stop_list())
+                                  top_k=max(body.top_k or 0, 0), seed=body.seed, stop=body.stop_list(),
+                                  ignore_eos=body.ignore_eos)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 

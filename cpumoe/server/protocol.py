@@ -3,7 +3,7 @@ response bodies. Spec: https://platform.openai.com/docs/api-reference (completio
 
 Fields that OpenAI defines but cpumoe does not implement are declared so that asking for them is a clear 400
 (`n` > 1, `best_of` > 1, `logprobs`, `echo`); fields no one here knows about are ignored, as OpenAI clients send
-extras freely. `top_k` is an extension (as in vLLM): 0 or -1 turn it off.
+extras freely. `top_k` and `ignore_eos` are extensions (as in vLLM): top_k 0 or -1 turn it off.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ class SamplingRequest(BaseModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)           # extension; 0 or -1: off
+    ignore_eos: bool = False                         # extension (benchmarks): always produce max_tokens
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False

@@ -3,19 +3,18 @@
 # what the client will not send (malformed JSON, missing fields, no key).
 import asyncio
 import json
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from cpumoe.engine.api import RequestOutput, SamplingParams
 from cpumoe.server import create_app
 from cpumoe.synthetic.tokenizer import make_tokenizer
+from tests.server.serving import running_server
 
 MODEL = "fake-moe"
 KEY = "test-key"
@@ -82,22 +81,8 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_url(engine):
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    app = create_app(engine, model_name=MODEL, api_key=KEY)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with running_server(create_app(engine, model_name=MODEL, api_key=KEY)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
