@@ -152,6 +152,18 @@ def _add_bench(commands) -> None:
     p.add_argument("--quick", action="store_true", help="1-3 repetitions per case and a quicker machine measurement")
     p.set_defaults(func=_cmd_bench_layer)
 
+    p = bench.add_parser("model", help="the offline engine on random prompts: TTFT, ITL, throughput, decode GB/s")
+    p.add_argument("model", help="a local Hugging Face checkpoint directory (e.g. from cpumoe make-model)")
+    p.add_argument("--batch", type=_positive_ints, default=[1, 16], help="batch sizes (default 1,16)")
+    p.add_argument("--input-len", type=_positive_ints, default=[128, 512], help="prompt lengths (default 128,512)")
+    p.add_argument("--output-len", type=_positive_ints, default=[128], help="output lengths (default 128)")
+    p.add_argument("--dtype", type=_dtype, default=None, help="bf16, fp32 or fp16 (default: the checkpoint's)")
+    p.add_argument("--compare", choices=["naive"], help="also run the experts on this path, case by case")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--json", metavar="FILE", help="also write every result here")
+    p.add_argument("--quick", action="store_true", help="a smaller bandwidth probe and mm (smoke runs)")
+    p.set_defaults(func=_cmd_bench_model)
+
 
 def _layer_preset(args):
     """The preset, with any of --hidden/--inter/--experts/--topk replacing its shape."""
@@ -186,6 +198,30 @@ def _cmd_bench_layer(args) -> int:
     report = run_layer_bench(preset, args.dtype, args.tokens, paths=paths, quick=args.quick,
                              progress=Console(stderr=True))
     render_layer_report(report, console)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        console.print(f"results written to {args.json}")
+    return 0
+
+
+def _cmd_bench_model(args) -> int:
+    import itertools
+
+    from cpumoe.bench.model import ModelCase, render_model_report, run_model_bench
+
+    if args.threads is not None:
+        if args.threads < 1:
+            sys.exit("cpumoe bench model: error: --threads must be positive")
+        torch.set_num_threads(args.threads)
+    cases = [ModelCase(b, i, o) for b, i, o in itertools.product(args.batch, args.input_len, args.output_len)]
+    console = _console()
+    try:
+        report = run_model_bench(args.model, cases, dtype=args.dtype, compare_naive=args.compare == "naive",
+                                 quick=args.quick, progress=Console(stderr=True))
+    except ValueError as e:  # a checkpoint that is missing, incomplete or not supported
+        sys.exit(f"cpumoe bench model: error: {e}")
+    render_model_report(report, console)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -1,0 +1,231 @@
+"""The model benchmark: the offline engine on random prompts of fixed lengths, MoE-Inference-Bench metrics.
+
+    per (batch B, input length, output length): B random prompts, max_tokens = output length, ignore_eos
+      -> engine.step() until all finish, timing every step
+      TTFT       mean over the B requests of (first token - requests added)
+      ITL        (E2E - TTFT) / (B x (output - 1))                      (../shared/workloads.md)
+      throughput B x (input + output) / E2E
+      decode     median time of the steps where every request decodes: tokens/s, and bytes read per step
+                 (dense weights + the expected distinct experts of B tokens + KV cache) / time, against a
+                 1 GiB streaming-read probe taken right before the case
+      prefill    2 FLOPs per active weight per prompt token / (time to the last first token), against a
+                 torch.mm of 4096^3 in the model dtype taken right before the case (both attention excluded)
+With `--compare naive` a second engine runs the experts on the naive path, case by case beside the first.
+"""
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from cpumoe import ops
+from cpumoe.bench.machine import cpu_model
+from cpumoe.engine import LLMEngine
+from cpumoe.engine.api import SamplingParams
+from cpumoe.engine.config import EngineConfig
+from cpumoe.models.blocks import MoEBlock
+
+MM_SIZE = 4096
+QUICK_MM_SIZE = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCase:
+    batch: int
+    input_len: int
+    output_len: int
+
+
+@dataclass(slots=True)
+class ModelResult:
+    path: str
+    batch: int
+    input_len: int
+    output_len: int
+    ttft_ms: float
+    itl_ms: float
+    e2e_s: float
+    throughput_tok_s: float
+    decode_tok_s: float
+    decode_gbs: float
+    decode_bandwidth_pct: float
+    bandwidth_gbs: float
+    prefill_gflops: float
+    prefill_mm_pct: float
+    mm_gflops: float
+    peak_rss_gb: float
+
+
+@dataclass(frozen=True, slots=True)
+class WeightBytes:
+    """What a step reads and a token computes, from the loaded model."""
+    dense_elems: int      # every weight but the embedding table and the experts (all read once per step)
+    expert_elems: int     # one expert's w13 + w2
+    element_size: int
+    moe_layers: int
+    experts: int          # E
+    top_k: int
+    kv_per_token: int     # bytes of K and V of one token, all layers
+
+    @property
+    def dense(self) -> int:
+        return self.dense_elems * self.element_size
+
+    @property
+    def expert(self) -> int:
+        return self.expert_elems * self.element_size
+
+    def distinct_experts(self, tokens: int) -> float:
+        """Expected distinct experts per layer for `tokens` uniformly routed tokens."""
+        return self.experts * (1 - (1 - self.top_k / self.experts) ** tokens)
+
+    def decode_step_bytes(self, batch: int, mean_context: float) -> float:
+        experts = self.moe_layers * self.distinct_experts(batch) * self.expert
+        return self.dense + experts + batch * mean_context * self.kv_per_token
+
+    def active_weights(self) -> int:
+        """Weights one token multiplies: dense ones and k experts per MoE layer (in elements)."""
+        return self.dense_elems + self.moe_layers * self.top_k * self.expert_elems
+
+
+def weight_bytes(engine: LLMEngine) -> WeightBytes:
+    model = engine.model
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    embed = model.model.embed_tokens.weight
+    dense_elems = sum(p.numel() for p in model.parameters()) - embed.numel()
+    if getattr(model.config, "tie_word_embeddings", False):
+        dense_elems += embed.numel()  # the tied lm_head is read every step
+    b = blocks[0]
+    return WeightBytes(dense_elems=dense_elems, expert_elems=3 * b.hidden_size * b.inter_size,
+                       element_size=embed.element_size(), moe_layers=len(blocks), experts=b.num_experts,
+                       top_k=b.top_k, kv_per_token=_kv_bytes_per_token(engine))
+
+
+def _kv_bytes_per_token(engine: LLMEngine) -> int:
+    c = engine.model.config
+    layers = c.num_hidden_layers
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * layers * c.num_key_value_heads * head_dim * engine.dtype.itemsize
+
+
+def experts_path(engine: LLMEngine) -> str:
+    return next(m.experts.backend for m in engine.model.modules() if isinstance(m, MoEBlock))
+
+
+def run_case(engine: LLMEngine, case: ModelCase, probe, mm, weights: WeightBytes, seed: int = 0) -> ModelResult:
+    vocab = engine.model.config.vocab_size
+    g = torch.Generator().manual_seed(seed * 7919 + case.batch * 131 + case.input_len)
+    prompts = torch.randint(0, vocab, (case.batch, case.input_len), generator=g).tolist()
+    params = SamplingParams(max_tokens=case.output_len, temperature=0, ignore_eos=True)
+    bandwidth = statistics.median(probe.read_gbps() for _ in range(3))
+    mm_gflops = _mm_gflops(mm)
+
+    start = time.perf_counter()
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    decode_steps: list[float] = []
+    contexts: list[float] = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{i}", prompt, params)
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        t1 = time.perf_counter()
+        all_decoding = len(first) == case.batch and len(done) == 0
+        for out in outputs:
+            if out.new_token_ids and out.request_id not in first:
+                first[out.request_id] = t1 - start
+            if out.finished:
+                done[out.request_id] = t1 - start
+        if all_decoding and len(outputs) == case.batch:
+            decode_steps.append(t1 - t0)
+            contexts.append(case.input_len + statistics.mean(o.completion_tokens for o in outputs))
+    e2e = max(done.values())
+    ttft = statistics.mean(first.values())
+    prefill_s = max(first.values())
+    decode_s = statistics.median(decode_steps) if decode_steps else float("nan")
+    step_bytes = weights.decode_step_bytes(case.batch, statistics.mean(contexts) if contexts else case.input_len)
+    decode_gbs = step_bytes / decode_s / 1e9
+    prefill_gflops = 2 * weights.active_weights() * case.batch * case.input_len / prefill_s / 1e9
+    return ModelResult(
+        path=experts_path(engine), batch=case.batch, input_len=case.input_len, output_len=case.output_len,
+        ttft_ms=ttft * 1e3,
+        itl_ms=(e2e - ttft) / (case.batch * max(case.output_len - 1, 1)) * 1e3,
+        e2e_s=e2e, throughput_tok_s=case.batch * (case.input_len + case.output_len) / e2e,
+        decode_tok_s=case.batch / decode_s, decode_gbs=decode_gbs,
+        decode_bandwidth_pct=100 * decode_gbs / bandwidth, bandwidth_gbs=bandwidth,
+        prefill_gflops=prefill_gflops, prefill_mm_pct=100 * prefill_gflops / mm_gflops, mm_gflops=mm_gflops,
+        peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
+
+
+def _mm_gflops(mm) -> float:
+    """mm: (call, size)."""
+    call, size = mm
+    call()
+    t = time.perf_counter()
+    call()
+    return 2 * size**3 / (time.perf_counter() - t) / 1e9
+
+
+def engine_config(cases: Sequence[ModelCase], block_size: int = 16) -> EngineConfig:
+    """Room for the largest case's every sequence, and a step budget that prefills a batch in few steps."""
+    blocks = max(c.batch * -(-(c.input_len + c.output_len) // block_size) for c in cases)
+    return EngineConfig(block_size=block_size, num_blocks=blocks + max(c.batch for c in cases),
+                        max_num_seqs=max(c.batch for c in cases),
+                        max_num_batched_tokens=max(2048, max(c.input_len for c in cases)),
+                        max_model_len=max(c.input_len + c.output_len for c in cases))
+
+
+def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtype | None = None,
+                    compare_naive: bool = False, quick: bool = False, progress: Console | None = None) -> dict:
+    """quick: a 256 MiB bandwidth probe and a 1024^3 mm (tests, smoke runs)."""
+    config = engine_config(cases)
+    engines = {"fused": LLMEngine(model_path, dtype=dtype, config=config)}
+    if compare_naive:
+        engines["naive"] = LLMEngine(model_path, dtype=dtype, backend="naive", config=config)
+    load_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    first = next(iter(engines.values()))
+    weights = weight_bytes(first)
+    probe = ops.ReadBandwidthProbe((256 << 20) if quick else (1 << 30))
+    size = QUICK_MM_SIZE if quick else MM_SIZE
+    a = torch.randn(size, size).to(first.dtype)
+    b = torch.randn(size, size).to(first.dtype)
+    mm = (lambda: torch.mm(a, b), size)
+    results = []
+    for case in cases:
+        for name, engine in engines.items():
+            if progress is not None:
+                progress.print(f"[dim]{name}: batch {case.batch}, input {case.input_len}, output {case.output_len}[/]")
+            run_case(engine, case, probe, mm, weights)  # warm-up
+            results.append(run_case(engine, case, probe, mm, weights, seed=1))
+    return dict(model=str(model_path), dtype=str(first.dtype).removeprefix("torch."), cpu=cpu_model(),
+                threads=torch.get_num_threads(), features=ops.cpu_features(), experts_path=experts_path(first),
+                weights=dict(asdict(weights), dense=weights.dense, expert=weights.expert), load_peak_rss_gb=load_rss,
+                kv_cache_gb=config.num_blocks * config.block_size * weights.kv_per_token / 1e9,
+                results=[asdict(r) for r in results])
+
+
+def render_model_report(report: dict, console: Console) -> None:
+    w = report["weights"]
+    console.print(f"[bold]{report['model']}[/]  {report['dtype']}  experts path [bold]{report['experts_path']}[/]  "
+                  f"CPU {report['cpu']}  threads {report['threads']}")
+    console.print(f"dense weights {w['dense'] / 1e9:.2f} GB, {w['moe_layers']} MoE layers x {w['experts']} experts "
+                  f"x {w['expert'] / 1e6:.1f} MB (top-{w['top_k']}); peak RSS after loading "
+                  f"{report['load_peak_rss_gb']:.2f} GB, KV cache {report['kv_cache_gb']:.2f} GB")
+    table = Table(title="model benchmark (ITL and throughput as MoE-Inference-Bench defines them)",
+                  title_justify="left")
+    for name in ("batch", "in", "out", "experts", "TTFT ms", "ITL ms", "tok/s", "decode tok/s", "decode GB/s",
+                 "% bw", "prefill GFLOP/s", "% mm", "peak RSS GB"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for r in report["results"]:
+        table.add_row(str(r["batch"]), str(r["input_len"]), str(r["output_len"]), r["path"], f"{r['ttft_ms']:.1f}",
+                      f"{r['itl_ms']:.2f}", f"{r['throughput_tok_s']:.1f}", f"{r['decode_tok_s']:.1f}",
+                      f"{r['decode_gbs']:.1f}", f"{r['decode_bandwidth_pct']:.0f}%", f"{r['prefill_gflops']:.0f}",
+                      f"{r['prefill_mm_pct']:.0f}%", f"{r['peak_rss_gb']:.2f}")
+    console.print(table)

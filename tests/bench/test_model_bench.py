@@ -1,0 +1,35 @@
+"""The model benchmark end to end on a tiny synthetic checkpoint, fused beside naive."""
+import json
+
+import pytest
+import torch
+
+from cpumoe.bench.model import ModelCase, engine_config
+from cpumoe.cli import main
+from cpumoe.synthetic.checkpoint import make_checkpoint, tiny_overrides
+
+
+def test_engine_config_fits_the_largest_case():
+    config = engine_config([ModelCase(1, 128, 16), ModelCase(4, 30, 3)])
+    assert config.num_blocks >= max(1 * 9, 4 * 3) and config.max_num_seqs == 4 and config.max_model_len == 144
+
+
+def test_bench_model_json(tmp_path, capsys):
+    path = make_checkpoint("qwen3-30b-a3b", tmp_path / "ckpt", layers=2, vocab=400, dtype=torch.float32,
+                           overrides=tiny_overrides("qwen3-30b-a3b"))
+    out = tmp_path / "model.json"
+    assert main(["bench", "model", str(path), "--batch", "1,3", "--input-len", "9", "--output-len", "4",
+                 "--compare", "naive", "--quick", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert [(r["batch"], r["path"] == "naive") for r in results] == [(1, False), (1, True), (3, False), (3, True)]
+    for r in results:
+        assert r["ttft_ms"] > 0 and r["itl_ms"] > 0 and r["throughput_tok_s"] > 0, r
+        assert r["decode_gbs"] > 0 and r["prefill_gflops"] > 0 and r["peak_rss_gb"] > 0, r
+    assert report["weights"]["moe_layers"] == 2 and report["weights"]["experts"] == 4
+    assert "TTFT ms" in capsys.readouterr().out
+
+
+def test_bench_model_missing_checkpoint(tmp_path):
+    with pytest.raises(SystemExit, match="cpumoe bench model: error"):
+        main(["bench", "model", str(tmp_path / "nope"), "--batch", "1", "--input-len", "4", "--output-len", "2"])
