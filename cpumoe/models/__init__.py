@@ -1,5 +1,11 @@
 """Models, picked by config.json's model_type, and their declarative weight loading.
 
+Supported (model_type: examples), all one decoder (moe_decoder.py) under a per-architecture ArchSpec:
+    qwen3_moe  Qwen3-30B-A3B, Qwen3-235B-A22B        per-head q/k norm
+    qwen2_moe  Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B     q/k/v bias, sigmoid-gated shared expert
+    mixtral    Mixtral-8x7B, Mixtral-8x22B           block_sparse_moe w1/w3/w2; no sliding window
+    olmoe      OLMoE-1B-7B                           q/k norm over the full projections, clip_qkv
+
     load_model(path) -> Checkpoint(path) -> MODELS[model_type] built on the meta device
                      -> every parameter <- the checkpoint tensor of its name
                      -> every MoEBlock <- w13 / w2 stacked expert by expert (model.expert_weights) -> FusedMoE packs
@@ -13,16 +19,23 @@ from torch import nn
 
 from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.models.blocks import ExpertWeights, MoEBlock
+from cpumoe.models.mixtral import MixtralForCausalLM
+from cpumoe.models.moe_decoder import MoeDecoderForCausalLM
+from cpumoe.models.olmoe import OlmoeForCausalLM
+from cpumoe.models.qwen2_moe import Qwen2MoeForCausalLM
 from cpumoe.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODELS: dict[str, type[nn.Module]] = {
+MODELS: dict[str, type[MoeDecoderForCausalLM]] = {
+    "mixtral": MixtralForCausalLM,
+    "olmoe": OlmoeForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 __all__ = ["MODELS", "load_model", "load_weights", "model_class"]
 
 
-def model_class(model_type: str) -> type[nn.Module]:
+def model_class(model_type: str) -> type[MoeDecoderForCausalLM]:
     if model_type not in MODELS:
         raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(MODELS))}")
     return MODELS[model_type]
@@ -33,7 +46,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, backend: str 
     ckpt = Checkpoint(path)
     cls = model_class(ckpt.model_type)
     dtype = dtype or ckpt.torch_dtype or torch.float32
-    config = cls.config_class.from_checkpoint(ckpt)
+    config = cls.config_from_checkpoint(ckpt)
     with torch.device("meta"):
         model = cls(config, backend=backend)
     load_weights(model, ckpt, dtype)

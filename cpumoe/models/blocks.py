@@ -7,6 +7,7 @@ Shapes: B batch, T tokens, H hidden, nh / nkv query / key-value heads, d head_di
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 import torch.nn.functional as F
@@ -95,37 +96,58 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+class QKNorm(Enum):
+    """Where an attention block RMS-normalizes its queries and keys (before RoPE)."""
+    NONE = "none"
+    HEAD = "head"  # per head, weight [d] (Qwen3-MoE)
+    FULL = "full"  # over the whole projection before the split into heads, weights [nh * d], [nkv * d] (OLMoE)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query attention, optional per-head q/k RMSNorm. Two ways in:
+    """Causal grouped-query attention with optional q/k RMSNorm (QKNorm), q/k/v and o biases, and q/k/v clipping
+    (|x| <= clip_qkv after the norm, OLMoE). Two ways in:
     - forward(x [B, T, H], positions [T]): the whole sequence at once, no cache (reference / tests);
     - forward(x [T, H], positions, context=AttentionContext, layer=l): flat tokens of several sequences; the new
       K/V go into layer l's paged cache, and each sequence attends over its cached context."""
 
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope_theta: float,
-                 qk_norm: bool, norm_eps: float, bias: bool = False):
+                 qk_norm: QKNorm, norm_eps: float, qkv_bias: bool = False, o_bias: bool = False,
+                 clip_qkv: float | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.qk_norm, self.clip_qkv = QKNorm(qk_norm), clip_qkv
+        q_dim, k_dim = (num_heads * head_dim, num_kv_heads * head_dim) if qk_norm == QKNorm.FULL else (head_dim, head_dim)
+        self.q_norm = None if qk_norm == QKNorm.NONE else RMSNorm(q_dim, norm_eps)
+        self.k_norm = None if qk_norm == QKNorm.NONE else RMSNorm(k_dim, norm_eps)
         self.rotary = RotaryEmbedding(head_dim, rope_theta)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., H] -> q [..., nh, d], k and v [..., nkv, d], normed and clipped, before RoPE."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [..., nh * d], [..., nkv * d] x2
+        if self.qk_norm == QKNorm.FULL:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        lead = x.shape[:-1]
+        q = q.view(*lead, self.num_heads, self.head_dim)  # [..., nh, d]
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)  # [..., nkv, d]
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)  # [..., nkv, d]
+        if self.qk_norm == QKNorm.HEAD:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, context: AttentionContext | None = None,
                 layer: int = 0) -> torch.Tensor:
         if context is not None:
             return self._forward_paged(x, positions, context, layer)
         B, T, _ = x.shape  # x [B, T, H], positions [T]
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, nh, d]
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, nkv, d]
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, nkv, d]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, d]
+        q, k, v = (t.transpose(1, 2) for t in self._qkv(x))  # [B, heads, T, d]
         cos, sin = self.rotary(positions, x.dtype)  # [T, d]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, nh, T, d]
@@ -134,11 +156,7 @@ class Attention(nn.Module):
     def _forward_paged(self, x: torch.Tensor, positions: torch.Tensor, context: AttentionContext,
                        layer: int) -> torch.Tensor:  # x [T, H], positions [T]
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, nh, d]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, d]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, d]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self._qkv(x)  # [T, nh, d], [T, nkv, d], [T, nkv, d]
         cos, sin = self.rotary(positions, x.dtype)  # [T, d]
         q, k = apply_rotary(q, cos[:, None], sin[:, None]), apply_rotary(k, cos[:, None], sin[:, None])
         k_cache, v_cache = context.kv_caches[layer]  # [num_blocks, block_size, nkv, d]
@@ -174,13 +192,17 @@ class ExpertWeights:
 
 
 class MoEBlock(nn.Module):
-    """Router linear -> cpumoe.FusedMoE. The experts arrive after construction, through `load_experts`,
-    because FusedMoE packs its weights once for the kernel it picks."""
+    """Router linear -> cpumoe.FusedMoE (softmax, top-k, renormalized if `renormalize`), plus, if
+    shared_inter_size > 0, a dense shared expert on every token, gated by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
+    The routed experts arrive after construction, through `load_experts`, because FusedMoE packs its weights once
+    for the kernel it picks; the shared expert is ordinary parameters."""
 
     def __init__(self, *, hidden_size: int, num_experts: int, inter_size: int, top_k: int, renormalize: bool,
-                 backend: str = "auto"):
+                 shared_inter_size: int = 0, backend: str = "auto"):
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # router: weight [E, H]
+        self.shared_expert = GatedMLP(hidden_size, shared_inter_size) if shared_inter_size else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_inter_size else None  # [1, H]
         self.num_experts, self.inter_size, self.hidden_size = num_experts, inter_size, hidden_size
         self.top_k, self.renormalize, self.backend = top_k, renormalize, backend
         self.experts: FusedMoE | None = None
@@ -198,7 +220,10 @@ class MoEBlock(nn.Module):
             raise RuntimeError("MoEBlock has no experts yet: load the model with cpumoe.models.load_model")
         flat = x.reshape(-1, x.shape[-1])  # [M, H]
         router_logits = self.gate(flat)  # [M, E]
-        return self.experts(flat, router_logits).view(x.shape)  # [..., H]
+        out = self.experts(flat, router_logits)  # [M, H]
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)  # [M, 1] * [M, H]
+        return out.view(x.shape)  # [..., H]
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}"
