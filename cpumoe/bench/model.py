@@ -10,10 +10,14 @@
                  1 GiB streaming-read probe taken right before the case
       prefill    2 FLOPs per active weight per prompt token / (time to the last first token), against a
                  torch.mm of 4096^3 in the model dtype taken right before the case (both attention excluded)
-With `--compare naive` a second engine runs the experts on the naive path, case by case beside the first.
+With `--compare naive` a second engine runs the experts on the naive path, after the first one's cases and with
+the first engine freed, so each engine's load peak and serving peak are its own.
+Peak RSS: VmHWM of /proc/self/status, reset (clear_refs) before each load and each case; ru_maxrss where
+that is not available (then a process-wide high-water mark).
 """
 from __future__ import annotations
 
+import gc
 import resource
 import statistics
 import time
@@ -126,6 +130,7 @@ def run_case(engine: LLMEngine, case: ModelCase, probe, mm, weights: WeightBytes
     bandwidth = statistics.median(probe.read_gbps() for _ in range(3))
     mm_gflops = _mm_gflops(mm)
 
+    reset_peak_rss()
     start = time.perf_counter()
     first: dict[str, float] = {}
     done: dict[str, float] = {}
@@ -161,7 +166,28 @@ def run_case(engine: LLMEngine, case: ModelCase, probe, mm, weights: WeightBytes
         decode_tok_s=case.batch / decode_s, decode_gbs=decode_gbs,
         decode_bandwidth_pct=100 * decode_gbs / bandwidth, bandwidth_gbs=bandwidth,
         prefill_gflops=prefill_gflops, prefill_mm_pct=100 * prefill_gflops / mm_gflops, mm_gflops=mm_gflops,
-        peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
+        peak_rss_gb=peak_rss_gb())
+
+
+def reset_peak_rss() -> None:
+    """Start a new high-water mark of resident memory (Linux: clear_refs 5 resets VmHWM)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_gb() -> float:
+    """Resident memory high-water mark since the last reset_peak_rss (GB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def _mm_gflops(mm) -> float:
@@ -186,27 +212,35 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
                     compare_naive: bool = False, quick: bool = False, progress: Console | None = None) -> dict:
     """quick: a 256 MiB bandwidth probe and a 1024^3 mm (tests, smoke runs)."""
     config = engine_config(cases)
-    engines = {"fused": LLMEngine(model_path, dtype=dtype, config=config)}
-    if compare_naive:
-        engines["naive"] = LLMEngine(model_path, dtype=dtype, backend="naive", config=config)
-    load_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
-    first = next(iter(engines.values()))
-    weights = weight_bytes(first)
+    reset_peak_rss()
+    engine = LLMEngine(model_path, dtype=dtype, config=config)
+    load_rss = {"fused": peak_rss_gb()}
+    weights = weight_bytes(engine)
+    model_dtype, path = engine.dtype, experts_path(engine)
     probe = ops.ReadBandwidthProbe((256 << 20) if quick else (1 << 30))
     size = QUICK_MM_SIZE if quick else MM_SIZE
-    a = torch.randn(size, size).to(first.dtype)
-    b = torch.randn(size, size).to(first.dtype)
+    a = torch.randn(size, size).to(model_dtype)
+    b = torch.randn(size, size).to(model_dtype)
     mm = (lambda: torch.mm(a, b), size)
     results = []
-    for case in cases:
-        for name, engine in engines.items():
+    for name in ["fused", "naive"] if compare_naive else ["fused"]:
+        if name == "naive":  # one engine at a time: free the first before loading the second
+            del engine
+            gc.collect()
+            reset_peak_rss()
+            engine = LLMEngine(model_path, dtype=dtype, backend="naive", config=config)
+            load_rss[name] = peak_rss_gb()
+        for case in cases:
             if progress is not None:
                 progress.print(f"[dim]{name}: batch {case.batch}, input {case.input_len}, output {case.output_len}[/]")
             run_case(engine, case, probe, mm, weights)  # warm-up
             results.append(run_case(engine, case, probe, mm, weights, seed=1))
-    return dict(model=str(model_path), dtype=str(first.dtype).removeprefix("torch."), cpu=cpu_model(),
-                threads=torch.get_num_threads(), features=ops.cpu_features(), experts_path=experts_path(first),
-                weights=dict(asdict(weights), dense=weights.dense, expert=weights.expert), load_peak_rss_gb=load_rss,
+    order = {c: i for i, c in enumerate(cases)}
+    results.sort(key=lambda r: order[ModelCase(r.batch, r.input_len, r.output_len)])  # case by case (stable)
+    return dict(model=str(model_path), dtype=str(model_dtype).removeprefix("torch."), cpu=cpu_model(),
+                threads=torch.get_num_threads(), features=ops.cpu_features(), experts_path=path,
+                weights=dict(asdict(weights), dense=weights.dense, expert=weights.expert),
+                load_peak_rss_gb=load_rss["fused"], load_peak_rss_gb_by_engine=load_rss,
                 kv_cache_gb=config.num_blocks * config.block_size * weights.kv_per_token / 1e9,
                 results=[asdict(r) for r in results])
 
@@ -215,9 +249,11 @@ def render_model_report(report: dict, console: Console) -> None:
     w = report["weights"]
     console.print(f"[bold]{report['model']}[/]  {report['dtype']}  experts path [bold]{report['experts_path']}[/]  "
                   f"CPU {report['cpu']}  threads {report['threads']}")
+    loads = report.get("load_peak_rss_gb_by_engine") or {"fused": report["load_peak_rss_gb"]}
+    peaks = ", ".join(f"{name} {gb:.2f} GB" for name, gb in loads.items())
     console.print(f"dense weights {w['dense'] / 1e9:.2f} GB, {w['moe_layers']} MoE layers x {w['experts']} experts "
-                  f"x {w['expert'] / 1e6:.1f} MB (top-{w['top_k']}); peak RSS after loading "
-                  f"{report['load_peak_rss_gb']:.2f} GB, KV cache {report['kv_cache_gb']:.2f} GB")
+                  f"x {w['expert'] / 1e6:.1f} MB (top-{w['top_k']}); peak RSS while loading (one engine at a "
+                  f"time): {peaks}; KV cache {report['kv_cache_gb']:.2f} GB")
     table = Table(title="model benchmark (ITL and throughput as MoE-Inference-Bench defines them)",
                   title_justify="left")
     for name in ("batch", "in", "out", "experts", "TTFT ms", "ITL ms", "tok/s", "decode tok/s", "decode GB/s",

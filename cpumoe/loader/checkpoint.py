@@ -43,6 +43,7 @@ class Checkpoint:
         self.config: dict = json.loads(config_file.read_text())
         self._file_of: dict[str, str] = self._find_weights()  # tensor name -> shard file name
         self._open: dict[str, object] = {}  # shard file name -> safe_open handle
+        self._headers: dict[str, dict] = {}  # shard file name -> its parsed header (read)
 
     def _find_weights(self) -> dict[str, str]:
         index = self.path / INDEX
@@ -102,6 +103,42 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         """The tensor, memory-mapped from its shard (copy it before writing to it)."""
         return self._handle(name).get_tensor(name)
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor, read with plain file reads into memory of its own (`out`, a contiguous tensor of its shape
+        and dtype, if given). Unlike `get`, nothing stays memory-mapped: once the caller drops the tensor its
+        memory is free, so a loader that packs weights does not hold the checkpoint's pages as well."""
+        shard = self._file_of.get(name)
+        if shard is None:
+            raise CheckpointError(f"tensor {name!r} not found in checkpoint {self.path}")
+        entry, data_start = self._header(shard)[name], self._header(shard)["__data_start__"]
+        dtype, shape = _DTYPES[entry["dtype"]], tuple(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"read({name!r}): out is {out.dtype} {list(out.shape)}, the tensor {dtype} {list(shape)}")
+        if end > begin:
+            view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+            with open(self.path / shard, "rb", buffering=0) as f:
+                f.seek(data_start + begin)
+                done = 0
+                while done < end - begin:
+                    n = f.readinto(view[done:])
+                    if not n:
+                        raise CheckpointError(f"{self.path / shard} ends inside tensor {name!r}")
+                    done += n
+        return out
+
+    def _header(self, shard: str) -> dict:
+        """A shard's safetensors header (name -> dtype, shape, data_offsets), with where its data starts."""
+        if shard not in self._headers:
+            with open(self.path / shard, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            header["__data_start__"] = 8 + size
+            self._headers[shard] = header
+        return self._headers[shard]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())

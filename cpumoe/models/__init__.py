@@ -5,6 +5,7 @@ Supported (model_type: examples), all one decoder (moe_decoder.py) under a per-a
     qwen2_moe  Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B     q/k/v bias, sigmoid-gated shared expert
     mixtral    Mixtral-8x7B, Mixtral-8x22B           block_sparse_moe w1/w3/w2; no sliding window
     olmoe      OLMoE-1B-7B                           q/k norm over the full projections, clip_qkv
+    deepseek_v2  DeepSeek-V2, -V2-Lite (default RoPE only)  MLA (mla.py), grouped routing: own layers, same forward
 
     load_model(path) -> Checkpoint(path) -> MODELS[model_type] built on the meta device
                      -> every parameter <- the checkpoint tensor of its name
@@ -19,6 +20,7 @@ from torch import nn
 
 from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.models.blocks import ExpertWeights, MoEBlock
+from cpumoe.models.deepseek_v2 import DeepseekV2ForCausalLM
 from cpumoe.models.mixtral import MixtralForCausalLM
 from cpumoe.models.moe_decoder import MoeDecoderForCausalLM
 from cpumoe.models.olmoe import OlmoeForCausalLM
@@ -26,6 +28,7 @@ from cpumoe.models.qwen2_moe import Qwen2MoeForCausalLM
 from cpumoe.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[MoeDecoderForCausalLM]] = {
+    "deepseek_v2": DeepseekV2ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "olmoe": OlmoeForCausalLM,
     "qwen2_moe": Qwen2MoeForCausalLM,
@@ -54,11 +57,15 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, backend: str 
 
 
 def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None:
+    """Memory: tensors are read with file reads (Checkpoint.read), not memory-mapped, so the checkpoint's pages are
+    never resident beside the model; experts stack straight into one layer's [E, rows, cols] buffers, which
+    FusedMoE packs and which are dropped before the next layer (peak: the model + one layer's stacked experts)."""
     for name, param in list(model.named_parameters()):
         tensor = _read(ckpt, name, tuple(param.shape))
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         setattr(module, attr, nn.Parameter(tensor.to(dtype).contiguous(), requires_grad=False))
+        del tensor
     for prefix, block in model.named_modules():
         if isinstance(block, MoEBlock):
             shapes = block.expert_shapes
@@ -69,10 +76,11 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None
 
 
 def _read(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    tensor = ckpt.get(name)
-    if tuple(tensor.shape) != shape:
-        raise CheckpointError(f"tensor {name!r} in {ckpt.path} has shape {list(tensor.shape)}, expected {list(shape)}")
-    return tensor
+    if name not in ckpt:
+        raise CheckpointError(f"tensor {name!r} not found in checkpoint {ckpt.path}")
+    if tuple(ckpt.shape(name)) != shape:
+        raise CheckpointError(f"tensor {name!r} in {ckpt.path} has shape {list(ckpt.shape(name))}, expected {list(shape)}")
+    return ckpt.read(name)
 
 
 def _stack_experts(ckpt: Checkpoint, prefix: str, spec: ExpertWeights, shape: tuple[int, ...],
@@ -85,12 +93,16 @@ def _stack_experts(ckpt: Checkpoint, prefix: str, spec: ExpertWeights, shape: tu
         row = 0
         for pattern in spec.per_expert:
             name = f"{prefix}.{pattern.format(e=e)}"
-            part = ckpt.get(name)  # [rows_part, cols]
-            if part.dim() != 2 or part.shape[1] != shape[2] or row + part.shape[0] > shape[1]:
-                raise CheckpointError(f"tensor {name!r} in {ckpt.path} has shape {list(part.shape)}, which does "
+            part_shape = ckpt.shape(name)  # [rows_part, cols]
+            if len(part_shape) != 2 or part_shape[1] != shape[2] or row + part_shape[0] > shape[1]:
+                raise CheckpointError(f"tensor {name!r} in {ckpt.path} has shape {list(part_shape)}, which does "
                                       f"not fit expert rows [{row}:] of {list(shape[1:])}")
-            out[e, row:row + part.shape[0]].copy_(part)
-            row += part.shape[0]
+            dst = out[e, row:row + part_shape[0]]  # contiguous rows of one expert
+            if ckpt.dtype(name) == dtype:
+                ckpt.read(name, out=dst)  # straight from the file into the stacked buffer
+            else:
+                dst.copy_(ckpt.read(name))
+            row += part_shape[0]
         if row != shape[1]:
             raise CheckpointError(f"experts {spec.per_expert} of {prefix} fill {row} rows, expected {shape[1]}")
     return out

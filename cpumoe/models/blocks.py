@@ -64,6 +64,8 @@ class AttentionContext:
     slot_mapping [T] long         where each new token's K/V goes: block * block_size + offset
     block_tables list of [n_i] long  sequence i's cache blocks, in order (n_i * block_size >= context_lens[i])
     kv_caches                     per layer (k, v), each [num_blocks, block_size, nkv, d] in the model dtype
+    cache                         per-step values every layer shares (rotary cos/sin, the decode block table),
+                                  built by the first layer that needs them
     """
     positions: torch.Tensor
     query_lens: list[int]
@@ -71,26 +73,92 @@ class AttentionContext:
     slot_mapping: torch.Tensor
     block_tables: list[torch.Tensor]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    cache: dict = field(default_factory=dict)
+
+    def decode_batch(self) -> "DecodeBatch | None":
+        """The sequences that decode (query_lens 1) this step, as padded tensors; None when there are none."""
+        if "decode" not in self.cache:
+            rows = [i for i, q in enumerate(self.query_lens) if q == 1]
+            self.cache["decode"] = DecodeBatch.build(self, rows) if rows else None
+        return self.cache["decode"]
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """The decoding sequences of a step, batched for one attention call per layer.
+
+    token_index [S] long or None   their tokens' rows in the step's flat tokens (None: every row, in order)
+    block_table [S, n] long        block tables padded (with block 0) to the longest
+    valid [S, 1, 1, n * block_size] bool   key positions inside each sequence's context
+    """
+    token_index: torch.Tensor | None
+    block_table: torch.Tensor
+    valid: torch.Tensor
+    seq_rows: list[int]
+
+    @classmethod
+    def build(cls, context: AttentionContext, rows: list[int]) -> "DecodeBatch":
+        starts = [0]
+        for q in context.query_lens:
+            starts.append(starts[-1] + q)
+        n = max(context.block_tables[i].numel() for i in rows)
+        table = torch.zeros(len(rows), n, dtype=torch.long)  # [S, n]
+        for r, i in enumerate(rows):
+            table[r, :context.block_tables[i].numel()] = context.block_tables[i]
+        block_size = context.kv_caches[0][0].shape[1] if context.kv_caches else 1
+        lens = torch.tensor([context.context_lens[i] for i in rows], dtype=torch.long)  # [S]
+        valid = torch.arange(n * block_size)[None, :] < lens[:, None]  # [S, L]
+        all_rows = len(rows) == len(context.query_lens)
+        index = None if all_rows else torch.tensor([starts[i] for i in rows], dtype=torch.long)
+        return cls(token_index=index, block_table=table, valid=valid[:, None, None, :], seq_rows=rows)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
+                     scale: float | None = None) -> torch.Tensor:
+    """One query token per sequence over its paged context, all sequences at once (GQA without repeating K/V).
+    q [S, nh, d]; caches [num_blocks, block_size, nkv, d] -> [S, nh, d]. Scores, softmax and the weighted sum
+    in float32 (the context of one token is small; K/V are read once either way)."""
+    S, nh, d = q.shape
+    nkv, dv = k_cache.shape[2], v_cache.shape[3]
+    k = k_cache[batch.block_table].view(S, -1, nkv, d).transpose(1, 2).float()  # [S, nkv, L, d]
+    v = v_cache[batch.block_table].view(S, -1, nkv, dv).transpose(1, 2).float()  # [S, nkv, L, dv]
+    qg = q.view(S, nkv, nh // nkv, d).float() * (d ** -0.5 if scale is None else scale)  # [S, nkv, g, d]
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [S, nkv, g, L]
+    scores.masked_fill_(~batch.valid, float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1), v)  # [S, nkv, g, dv]
+    return out.view(S, nh, dv).to(q.dtype)
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:  # [nkv, L, d] -> [nkv * groups, L, d]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=0)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     context: AttentionContext) -> torch.Tensor:
-    """Reference paged attention: per sequence, gather its cached K/V blocks and call SDPA (GQA by enable_gqa).
+    """Paged attention: all decoding sequences in one batched call (decode_attention); each prefill chunk gathers
+    its cached K/V blocks and calls SDPA with K/V repeated to the query heads (SDPA's fused CPU kernel; its
+    enable_gqa path falls back to the unfused math one).
     q [T, nh, d]; k_cache, v_cache [num_blocks, block_size, nkv, d] -> [T, nh, d]."""
+    decode = context.decode_batch()
+    if decode is not None and decode.token_index is None:
+        return decode_attention(q, k_cache, v_cache, decode)
     out = torch.empty_like(q)
+    if decode is not None:
+        out[decode.token_index] = decode_attention(q[decode.token_index], k_cache, v_cache, decode)
+    nh, nkv, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
     start = 0
     for q_len, ctx_len, blocks in zip(context.query_lens, context.context_lens, context.block_tables):
-        nkv, d = k_cache.shape[2], k_cache.shape[3]
-        k = k_cache[blocks].view(-1, nkv, d)[:ctx_len].transpose(0, 1)  # [nkv, ctx, d]
-        v = v_cache[blocks].view(-1, nkv, d)[:ctx_len].transpose(0, 1)  # [nkv, ctx, d]
+        if q_len == 1:
+            start += 1
+            continue
+        k = _repeat_kv(k_cache[blocks].view(-1, nkv, d)[:ctx_len].transpose(0, 1), nh // nkv)  # [nh, ctx, d]
+        v = _repeat_kv(v_cache[blocks].view(-1, nkv, d)[:ctx_len].transpose(0, 1), nh // nkv)  # [nh, ctx, d]
         qi = q[start:start + q_len].transpose(0, 1)  # [nh, q_len, d]
-        if q_len == 1:  # a decode sees everything
-            o = F.scaled_dot_product_attention(qi, k, v, enable_gqa=True)
-        elif q_len == ctx_len:  # a whole prompt at once
-            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, enable_gqa=True)
+        if q_len == ctx_len:  # a whole prompt at once
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True)
         else:  # a later prefill chunk: query j sees keys up to ctx_len - q_len + j (bottom-right causal)
             mask = torch.ones(q_len, ctx_len, dtype=torch.bool).tril(diagonal=ctx_len - q_len)  # [q_len, ctx]
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask)
         out[start:start + q_len] = o.transpose(0, 1)  # [q_len, nh, d]
         start += q_len
     return out
@@ -157,8 +225,12 @@ class Attention(nn.Module):
                        layer: int) -> torch.Tensor:  # x [T, H], positions [T]
         T = x.shape[0]
         q, k, v = self._qkv(x)  # [T, nh, d], [T, nkv, d], [T, nkv, d]
-        cos, sin = self.rotary(positions, x.dtype)  # [T, d]
-        q, k = apply_rotary(q, cos[:, None], sin[:, None]), apply_rotary(k, cos[:, None], sin[:, None])
+        key = ("rope", self.rotary.head_dim, self.rotary.theta, x.dtype)
+        if key not in context.cache:  # once per step: every layer has the same positions
+            cos, sin = self.rotary(positions, x.dtype)  # [T, d]
+            context.cache[key] = cos[:, None], sin[:, None]  # [T, 1, d]
+        cos, sin = context.cache[key]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = context.kv_caches[layer]  # [num_blocks, block_size, nkv, d]
         k_cache.view(-1, self.num_kv_heads, self.head_dim)[context.slot_mapping] = k.to(k_cache.dtype)
         v_cache.view(-1, self.num_kv_heads, self.head_dim)[context.slot_mapping] = v.to(v_cache.dtype)

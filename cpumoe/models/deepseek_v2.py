@@ -1,0 +1,187 @@
+"""DeepSeek-V2 (model_type "deepseek_v2": DeepSeek-V2, -V2-Lite, -V2-Chat), as transformers' DeepseekV2ForCausalLM.
+
+    input_ids -> embed -> N x [x += MLA(norm(x)); x += mlp(norm(x))] -> norm -> lm_head -> logits
+
+Where it departs from the shared decoder (moe_decoder.py), whose embedding, layer loop, final norm, forward and
+logits it reuses:
+- attention is multi-head latent attention (mla.py), with interleaved RoPE on the rope channels only;
+- layers l < first_k_dense_replace have a dense GatedMLP of intermediate_size, the others a DeepseekV2MoE:
+  router in float32 -> softmax -> top-k ("greedy"), or top-k within the topk_group best of n_group groups, a
+  group scored by its best expert ("group_limited_greedy") -> weights * routed_scaling_factor, never renormalized
+  (transformers' DeepseekV2 ignores norm_topk_prob; so do we) -> + an ungated shared MLP of
+  moe_intermediate_size * n_shared_experts.
+Default RoPE only: a config with rope_scaling / rope_parameters of another type (the published V2 checkpoints use
+yarn) is refused with a CheckpointError.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpumoe.layer import FusedMoE
+from cpumoe.loader import Checkpoint, CheckpointError
+from cpumoe.models.blocks import AttentionContext, GatedMLP, MoEBlock, RMSNorm
+from cpumoe.models.mla import MLAttention
+from cpumoe.models.moe_decoder import ArchSpec, MoeDecoderForCausalLM, MoeDecoderModel
+
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+@dataclass(slots=True)
+class DeepseekV2Config:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int  # dense layers
+    moe_intermediate_size: int  # each routed expert
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    topk_method: str = "greedy"
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    # What the engine's KVCache reads: MLA caches every head's K and V, padded to one head_dim.
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint) -> "DeepseekV2Config":
+        get = ckpt.config_get
+        if (act := get("hidden_act", default="silu")) != "silu":
+            raise CheckpointError(f"{ckpt.path}: hidden_act {act!r} is not supported (silu only)")
+        if get("mlp_bias", default=False):
+            raise CheckpointError(f"{ckpt.path}: mlp_bias is not supported")
+        rope = get("rope_parameters", default=None) or get("rope_scaling", default=None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise CheckpointError(f"{ckpt.path}: rope type {rope_type!r} is not supported yet for deepseek_v2 "
+                                  "(default RoPE only)")
+        method = get("topk_method", default="greedy") or "greedy"
+        if method not in TOPK_METHODS:
+            raise CheckpointError(f"{ckpt.path}: topk_method {method!r} is not supported; expected one of "
+                                  f"{TOPK_METHODS}")
+        return cls(
+            vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), num_hidden_layers=get("num_hidden_layers"),
+            num_attention_heads=get("num_attention_heads"), intermediate_size=get("intermediate_size"),
+            moe_intermediate_size=get("moe_intermediate_size"), n_routed_experts=get("n_routed_experts", default=0) or 0,
+            num_experts_per_tok=get("num_experts_per_tok"), n_shared_experts=get("n_shared_experts", default=0) or 0,
+            first_k_dense_replace=get("first_k_dense_replace", default=0), kv_lora_rank=get("kv_lora_rank"),
+            q_lora_rank=get("q_lora_rank", default=None), qk_nope_head_dim=get("qk_nope_head_dim"),
+            qk_rope_head_dim=get("qk_rope_head_dim"), v_head_dim=get("v_head_dim"), topk_method=method,
+            n_group=get("n_group", default=None), topk_group=get("topk_group", default=None),
+            routed_scaling_factor=get("routed_scaling_factor", default=1.0),
+            rms_norm_eps=get("rms_norm_eps", default=1e-6),
+            rope_theta=rope.get("rope_theta", get("rope_theta", default=10000.0)),
+            attention_bias=bool(get("attention_bias", default=False)),
+            tie_word_embeddings=get("tie_word_embeddings", default=False),
+        )
+
+
+class DeepseekV2MoE(MoEBlock):
+    """MoEBlock with DeepSeek-V2's router (float32 logits, optional group-limited top-k, scaled, not renormalized)
+    and an ungated shared MLP `shared_experts` (checkpoint names mlp.gate / mlp.experts.{e} / mlp.shared_experts)."""
+
+    def __init__(self, *, hidden_size: int, num_experts: int, inter_size: int, top_k: int, shared_inter_size: int,
+                 num_expert_group: int | None, topk_group: int | None, routed_scaling_factor: float,
+                 backend: str = "auto"):
+        super().__init__(hidden_size=hidden_size, num_experts=num_experts, inter_size=inter_size, top_k=top_k,
+                         renormalize=False, backend=backend)
+        self.shared_experts = GatedMLP(hidden_size, shared_inter_size) if shared_inter_size else None
+        self.routing = dict(scoring="softmax", num_expert_group=num_expert_group, topk_group=topk_group,
+                            routed_scaling_factor=routed_scaling_factor)
+
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:  # w13 [E, 2I, H], w2 [E, H, I]
+        self.experts = FusedMoE(w13, w2, top_k=self.top_k, renormalize=False, backend=self.backend, **self.routing)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H]
+        if self.experts is None:
+            raise RuntimeError("DeepseekV2MoE has no experts yet: load the model with cpumoe.models.load_model")
+        flat = x.reshape(-1, x.shape[-1])  # [M, H]
+        router_logits = F.linear(flat.float(), self.gate.weight.float())  # [M, E] float32, as transformers
+        out = self.experts(flat, router_logits)  # [M, H]
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(x.shape)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.routing.items())
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekV2Config, layer: int, backend: str):
+        super().__init__()
+        c = config
+        self.layer_idx = layer
+        self.self_attn = MLAttention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
+                                     q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+                                     qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+                                     v_head_dim=c.v_head_dim, rope_theta=c.rope_theta, cache_head_dim=c.head_dim,
+                                     bias=c.attention_bias)
+        if c.is_moe_layer(layer):
+            grouped = c.topk_method == "group_limited_greedy"
+            self.mlp: nn.Module = DeepseekV2MoE(
+                hidden_size=c.hidden_size, num_experts=c.n_routed_experts, inter_size=c.moe_intermediate_size,
+                top_k=c.num_experts_per_tok, shared_inter_size=c.moe_intermediate_size * c.n_shared_experts,
+                num_expert_group=c.n_group if grouped else None, topk_group=c.topk_group if grouped else None,
+                routed_scaling_factor=c.routed_scaling_factor, backend=backend)
+        else:
+            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                context: AttentionContext | None = None) -> torch.Tensor:  # x [B, T, H] or, with context, [T, H]
+        x = x + self.self_attn(self.input_layernorm(x), positions, context, self.layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV2Model(MoeDecoderModel):
+    """MoeDecoderModel's embed -> layers -> norm forward over DeepSeek-V2 layers. Its __init__ builds Llama-style
+    layers, so this one replaces it (nn.Module.__init__ only) and sets the same three submodules."""
+
+    def __init__(self, config: DeepseekV2Config, backend: str):
+        nn.Module.__init__(self)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV2ForCausalLM(MoeDecoderForCausalLM):
+    """Reuses MoeDecoderForCausalLM's forward, compute_logits and expert_weights (experts.{e}.gate_proj / up_proj /
+    down_proj, or transformers' fused experts.gate_up_proj / down_proj); builds its own model."""
+    spec: ClassVar[ArchSpec] = ArchSpec(moe="mlp", experts=("gate_proj", "up_proj", "down_proj"))
+
+    def __init__(self, config: DeepseekV2Config, backend: str = "auto"):
+        nn.Module.__init__(self)
+        self.config = config
+        self.model = DeepseekV2Model(config, backend)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def config_from_checkpoint(cls, ckpt: Checkpoint) -> DeepseekV2Config:  # type: ignore[override]
+        return DeepseekV2Config.from_checkpoint(ckpt)
