@@ -52,6 +52,17 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         w2_bias=w2_bias, expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input)
 
 
+def pack_linear(weight: torch.Tensor, path: str) -> torch.Tensor:
+    """nn.Linear weight [N, K] -> the layout cpumoe.ops.linear reads (one expert's w2 of H = N, I = K)."""
+    return torch.ops.cpumoe.pack_w2(weight.unsqueeze(0).contiguous(), path)
+
+
+def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, *, path: str,
+           out_features: int) -> torch.Tensor:
+    """x [..., K] -> [..., out_features], the dtype of x, on the experts' w2 tiles of `path`."""
+    return torch.ops.cpumoe.linear(x, packed_weight, bias, path=path, out_features=out_features)
+
+
 def cpu_features() -> list[str]:
     return list(_C.cpu_features())
 
@@ -74,6 +85,11 @@ def _pack_w13_fake(w13, path):
 def _pack_w2_fake(w2, path):
     _, (blocks, elems) = packed_shapes(w2.shape[1], w2.shape[2], path)
     return w2.new_empty((w2.shape[0], blocks, elems))
+
+
+@torch.library.register_fake("cpumoe::linear")
+def _linear_fake(x, w, bias, *, path, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 @torch.library.register_fake("cpumoe::fused_experts")

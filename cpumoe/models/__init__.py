@@ -24,6 +24,7 @@ from cpumoe.models.deepseek_v2 import DeepseekV2ForCausalLM
 from cpumoe.models.mixtral import MixtralForCausalLM
 from cpumoe.models.moe_decoder import MoeDecoderForCausalLM
 from cpumoe.models.olmoe import OlmoeForCausalLM
+from cpumoe.models.packed_linear import pack_linears
 from cpumoe.models.qwen2_moe import Qwen2MoeForCausalLM
 from cpumoe.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -53,6 +54,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, backend: str 
     with torch.device("meta"):
         model = cls(config, backend=backend)
     load_weights(model, ckpt, dtype)
+    pack_linears(model, dtype, backend)
     return model.eval()
 
 

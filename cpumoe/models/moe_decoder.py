@@ -201,5 +201,6 @@ class MoeDecoderForCausalLM(nn.Module):
         return logits[0] if squeeze else logits
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> float32 [..., V]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, H]
-        return torch.nn.functional.linear(h, weight).float()
+        if self.lm_head is None:  # tied to the embedding table [V, H]
+            return torch.nn.functional.linear(h, self.model.embed_tokens.weight).float()
+        return self.lm_head(h).float()

@@ -58,25 +58,9 @@ std::vector<Item> make_items(const std::vector<int64_t>& offsets, int64_t blocks
   return items;
 }
 
-// The combine's loops, written branch-free so the compiler vectorizes them.
+// The combine's sum, written so the compiler vectorizes it.
 void add_row(float* __restrict acc, const float* __restrict y, int64_t n) {
   for (int64_t h = 0; h < n; ++h) acc[h] += y[h];
-}
-
-void store_row(const float* __restrict acc, void* __restrict out, int64_t n, DType dtype) {
-  if (dtype == DType::kFloat32) {
-    std::memcpy(out, acc, n * 4);
-  } else if (dtype == DType::kBFloat16) {
-    uint16_t* o = static_cast<uint16_t*>(out);
-    for (int64_t h = 0; h < n; ++h) {
-      uint32_t u;
-      std::memcpy(&u, acc + h, 4);
-      const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-      o[h] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);  // NaN stays NaN
-    }
-  } else {
-    for (int64_t h = 0; h < n; ++h) store_from_f32(out, h, acc[h], dtype);
-  }
 }
 
 }  // namespace

@@ -76,4 +76,21 @@ inline void store_from_f32(void* p, int64_t i, float v, DType d) {
   }
 }
 
+// out[0:n] = acc[0:n] in dtype; branch-free so the compiler vectorizes the bf16 rounding.
+inline void store_row(const float* __restrict acc, void* __restrict out, int64_t n, DType dtype) {
+  if (dtype == DType::kFloat32) {
+    std::memcpy(out, acc, n * 4);
+  } else if (dtype == DType::kBFloat16) {
+    uint16_t* o = static_cast<uint16_t*>(out);
+    for (int64_t h = 0; h < n; ++h) {
+      uint32_t u;
+      std::memcpy(&u, acc + h, 4);
+      const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+      o[h] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);  // NaN stays NaN
+    }
+  } else {
+    for (int64_t h = 0; h < n; ++h) store_from_f32(out, h, acc[h], dtype);
+  }
+}
+
 }  // namespace cpumoe

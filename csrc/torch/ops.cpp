@@ -9,6 +9,7 @@
 
 #include "../core/cpu_features.h"
 #include "../core/fused_moe.h"
+#include "../core/linear.h"
 #include "../core/membw.h"
 #include "../core/memory.h"
 #include "../core/pack.h"
@@ -166,11 +167,48 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const 
   return out;
 }
 
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                     std::string_view path, int64_t out_features) {
+  const KernelTable& kt = kernel_or_throw(std::string(path));
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "x must be a CPU tensor of shape [..., K], got ", x.sizes());
+  const DType dt = to_dtype(x, "x");
+  TORCH_CHECK(kt.supports(dt), "kernel path '", kt.name, "' does not take ", dtype_name(dt), " activations");
+  check_dense(w, "packed linear weight", 3);
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "packed weight dtype ", w.scalar_type(), " differs from x's ",
+              x.scalar_type());
+  const int64_t K = x.size(-1);
+  const PackedShape s = w2_packed_shape(out_features, K, kt.layout);
+  TORCH_CHECK(w.size(0) == 1 && w.size(1) == s.blocks && w.size(2) == s.block_elems, "packed linear weight ",
+              w.sizes(), " does not match in_features ", K, " and out_features ", out_features, " for path '",
+              kt.name, "' (expected [1, ", s.blocks, ", ", s.block_elems, "])");
+  at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = out_features;
+  at::Tensor out = at::empty({x2.size(0), out_features}, x.options());
+  at::Tensor b;
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [", out_features, "], got ",
+                bias->sizes());
+    b = bias->to(at::kFloat).contiguous();
+  }
+  LinearArgs a;
+  a.kernels = &kt;
+  a.dtype = dt;
+  a.M = x2.size(0), a.K = K, a.N = out_features;
+  a.x = x2.data_ptr();
+  a.w = w.data_ptr();
+  a.bias = bias ? b.data_ptr<float>() : nullptr;
+  a.out = out.data_ptr();
+  linear(a, torch_parallel());
+  return out.view(out_shape);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cpumoe, m) {
   m.def("pack_w13(Tensor w13, str path) -> Tensor");
   m.def("pack_w2(Tensor w2, str path) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, Tensor? bias, *, str path, int out_features) -> Tensor");
   m.def(
       "fused_experts(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, *, "
       "str path, str activation, Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? expert_map=None, "
@@ -181,6 +219,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("pack_w13", &pack_w13_op);
   m.impl("pack_w2", &pack_w2_op);
   m.impl("fused_experts", &fused_experts);
+  m.impl("linear", &linear_op);
 }
 
 }  // namespace cpumoe

@@ -1,0 +1,24 @@
+// A dense linear layer on the experts' kernels: y[M][N] = x[M][K] . w[N][K]^T (+ bias), with w packed once
+// as a single "w2" (pack_w2 with H = N, I = K), so every path's w2 tile serves it. It exists because at
+// decode sizes the projections around the experts are weight streams too, and the tiles stream near the
+// memory bandwidth where a general GEMM library does not.
+#pragma once
+#include <cstdint>
+
+#include "fused_moe.h"
+
+namespace cpumoe {
+
+struct LinearArgs {
+  const KernelTable* kernels = nullptr;
+  DType dtype = DType::kBFloat16;
+  int64_t M = 0, K = 0, N = 0;
+  const void* x = nullptr;      // [M][K]
+  const void* w = nullptr;      // pack_w2 layout of [N][K] (one expert)
+  const float* bias = nullptr;  // [N] or nullptr
+  void* out = nullptr;          // [M][N], dtype
+};
+
+void linear(const LinearArgs& args, const Parallel& parallel);
+
+}  // namespace cpumoe

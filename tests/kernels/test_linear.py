@@ -1,0 +1,34 @@
+"""cpumoe.ops.linear (dense projections on the experts' w2 tiles) against torch's linear, every native path."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpumoe import ops
+from tests.kernels.moe_cases import path_dtype_grid
+from tests.kernels.tolerances import assert_moe_close
+
+SHAPES = [(1, 64, 32), (3, 100, 70), (17, 130, 2048), (300, 64, 96), (1, 4096, 2048)]  # (M, N, K)
+NATIVE = [p for p in path_dtype_grid() if p.values[0] != "naive"]
+
+
+@pytest.mark.parametrize("path,dtype", NATIVE)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "M{}-N{}-K{}".format(*s))
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_linear_matches_torch(path, dtype, shape, bias):
+    M, N, K = shape
+    g = torch.Generator().manual_seed(M * 7 + N)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    out = ops.linear(x, ops.pack_linear(w, path), b, path=path, out_features=N)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    assert_moe_close(out, ref, dtype, f"{path} {dtype} M{M} N{N} K{K}")
+
+
+def test_linear_keeps_leading_dims_and_checks_shapes():
+    path, dtype = NATIVE[0].values
+    packed = ops.pack_linear(torch.randn(48, 64).to(dtype), path)
+    x = torch.randn(2, 3, 64).to(dtype)
+    assert ops.linear(x, packed, None, path=path, out_features=48).shape == (2, 3, 48)
+    with pytest.raises(RuntimeError, match="does not match in_features 32"):
+        ops.linear(torch.randn(4, 32).to(dtype), packed, None, path=path, out_features=48)
