@@ -32,3 +32,10 @@ def test_linear_keeps_leading_dims_and_checks_shapes():
     assert ops.linear(x, packed, None, path=path, out_features=48).shape == (2, 3, 48)
     with pytest.raises(RuntimeError, match="does not match in_features 32"):
         ops.linear(torch.randn(4, 32).to(dtype), packed, None, path=path, out_features=48)
+
+
+def test_linear_fake_kernel():
+    path, dtype = NATIVE[0].values
+    packed = ops.pack_linear(torch.randn(48, 64).to(dtype), path)
+    torch.library.opcheck(torch.ops.cpumoe.linear.default, (torch.randn(5, 64).to(dtype), packed, None),
+                          dict(path=path, out_features=48), test_utils=("test_schema", "test_faketensor"))
