@@ -198,11 +198,15 @@ def _cmd_bench_layer(args) -> int:
     report = run_layer_bench(preset, args.dtype, args.tokens, paths=paths, quick=args.quick,
                              progress=Console(stderr=True))
     render_layer_report(report, console)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        console.print(f"results written to {args.json}")
+    _write_json(report, args.json, console)
     return 0
+
+
+def _write_json(report: dict, path: str | None, console: Console) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        console.print(f"results written to {path}")
 
 
 def _cmd_bench_model(args) -> int:
@@ -222,10 +226,7 @@ def _cmd_bench_model(args) -> int:
     except ValueError as e:  # a checkpoint that is missing, incomplete or not supported
         sys.exit(f"cpumoe bench model: error: {e}")
     render_model_report(report, console)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        console.print(f"results written to {args.json}")
+    _write_json(report, args.json, console)
     return 0
 
 
