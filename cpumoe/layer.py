@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from cpumoe.experts import ExpertsConfig, choose_path
+from cpumoe.experts.base import ExpertReader
 from cpumoe.routing import select_experts
 
 
@@ -17,6 +18,10 @@ class FusedMoE(nn.Module):
     w13 [E, 2I, H] holds each expert's gate rows then up rows; w2 [E, H, I]. With `expert_map`
     ([num_experts] int, global id -> local row of w13/w2, -1 = not on this shard), w13/w2 hold only the local
     experts and `num_experts` is the global count.
+
+    With `expert_reader` (e -> (w13_e [2I, H], w2_e [H, I])), w13 and w2 may be meta tensors that only give
+    the shapes and dtype: the path then packs expert by expert as it reads them, so a checkpoint loader never
+    holds a whole layer of unpacked experts.
     """
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, top_k: int, activation: str = "silu",
@@ -25,7 +30,7 @@ class FusedMoE(nn.Module):
                  num_experts: int | None = None, apply_router_weight_on_input: bool = False,
                  num_expert_group: int | None = None, topk_group: int | None = None,
                  e_score_correction_bias: torch.Tensor | None = None, routed_scaling_factor: float = 1.0,
-                 backend: str = "auto"):
+                 backend: str = "auto", expert_reader: ExpertReader | None = None):
         super().__init__()
         _check_weights(w13, w2, w13_bias, w2_bias)
         local_experts, two_inter, hidden = w13.shape
@@ -49,7 +54,11 @@ class FusedMoE(nn.Module):
             activation=activation, has_bias=w13_bias is not None or w2_bias is not None,
             expert_parallel=expert_map is not None, apply_router_weight_on_input=apply_router_weight_on_input)
         self.path = choose_path(self.config, backend)
-        self.prepared = self.path.prepare(w13, w2, w13_bias, w2_bias)
+        if expert_reader is None:
+            self.prepared = self.path.prepare(w13, w2, w13_bias, w2_bias)
+        else:
+            self.prepared = self.path.prepare_experts(local_experts, _checked(expert_reader, w13, w2), w13_bias,
+                                                      w2_bias)
 
     @property
     def backend(self) -> str:
@@ -74,6 +83,18 @@ class FusedMoE(nn.Module):
         c = self.config
         return (f"experts={self.num_experts}, hidden={c.hidden_size}, inter={c.inter_size}, top_k={c.top_k}, "
                 f"dtype={c.dtype}, activation={c.activation}, backend={self.backend}")
+
+
+def _checked(read_expert: ExpertReader, w13: torch.Tensor, w2: torch.Tensor) -> ExpertReader:
+    """read_expert, checking each expert against the declared shapes and dtype."""
+    def read(e: int):
+        w13_e, w2_e = read_expert(e)
+        if w13_e.shape != w13.shape[1:] or w2_e.shape != w2.shape[1:] or w13_e.dtype != w13.dtype \
+                or w2_e.dtype != w2.dtype:
+            raise ValueError(f"expert {e}: w13 {list(w13_e.shape)} {w13_e.dtype} and w2 {list(w2_e.shape)} "
+                             f"{w2_e.dtype}, expected {list(w13.shape[1:])} and {list(w2.shape[1:])} {w13.dtype}")
+        return w13_e, w2_e
+    return read
 
 
 def _check_weights(w13, w2, w13_bias, w2_bias) -> None:

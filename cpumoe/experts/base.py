@@ -4,12 +4,17 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from cpumoe.reference import ACTIVATIONS
+
+
+# read_expert(e) -> (w13_e [2I, H] gate rows then up rows, w2_e [H, I])
+ExpertReader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,16 @@ class ExpertsPath:
     def prepare(self, w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None,
                 w2_bias: torch.Tensor | None) -> PreparedExperts:
         raise NotImplementedError
+
+    def prepare_experts(self, num_experts: int, read_expert: ExpertReader, w13_bias: torch.Tensor | None,
+                        w2_bias: torch.Tensor | None) -> PreparedExperts:
+        """As prepare, from read_expert(e) -> (w13_e [2I, H], w2_e [H, I]). This default stacks them first;
+        paths with their own layout pack expert by expert, so a layer's unpacked weights never all exist."""
+        pairs = [read_expert(e) for e in range(num_experts)]
+        w13 = torch.stack([p[0] for p in pairs])
+        w2 = torch.stack([p[1] for p in pairs])
+        del pairs
+        return self.prepare(w13, w2, w13_bias, w2_bias)
 
     def apply(self, prepared: PreparedExperts, config: ExpertsConfig, hidden_states: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:

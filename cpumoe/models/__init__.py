@@ -60,21 +60,29 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, backend: str 
 
 def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None:
     """Memory: tensors are read with file reads (Checkpoint.read), not memory-mapped, so the checkpoint's pages are
-    never resident beside the model; experts stack straight into one layer's [E, rows, cols] buffers, which
-    FusedMoE packs and which are dropped before the next layer (peak: the model + one layer's stacked experts)."""
+    never resident beside the model; per-expert checkpoints are read and packed one expert at a time (peak: the
+    model + one expert), fused ones ([E, rows, cols] tensors) one layer at a time."""
     for name, param in list(model.named_parameters()):
         tensor = _read(ckpt, name, tuple(param.shape))
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         setattr(module, attr, nn.Parameter(tensor.to(dtype).contiguous(), requires_grad=False))
         del tensor
+    specs = model.expert_weights
     for prefix, block in model.named_modules():
-        if isinstance(block, MoEBlock):
-            shapes = block.expert_shapes
-            weights = {key: _stack_experts(ckpt, prefix, spec, shapes[key], dtype)
-                       for key, spec in model.expert_weights.items()}
-            block.load_experts(**weights)  # FusedMoE packs; the stacked copies are dropped after this layer
-            del weights
+        if not isinstance(block, MoEBlock):
+            continue
+        shapes = block.expert_shapes
+        if any(spec.fused is not None and f"{prefix}.{spec.fused}" in ckpt for spec in specs.values()):
+            block.load_experts(**{key: _read(ckpt, f"{prefix}.{spec.fused}", shapes[key]).to(dtype).contiguous()
+                                  for key, spec in specs.items()})
+            continue
+
+        def read_expert(e: int, prefix=prefix, shapes=shapes) -> tuple[torch.Tensor, torch.Tensor]:
+            return tuple(_read_expert(ckpt, prefix, specs[key], shapes[key][1:], dtype, e) for key in ("w13", "w2"))
+
+        meta = {key: torch.empty(shapes[key], dtype=dtype, device="meta") for key in ("w13", "w2")}
+        block.load_experts(meta["w13"], meta["w2"], expert_reader=read_expert)
 
 
 def _read(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -85,26 +93,25 @@ def _read(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return ckpt.read(name)
 
 
-def _stack_experts(ckpt: Checkpoint, prefix: str, spec: ExpertWeights, shape: tuple[int, ...],
-                   dtype: torch.dtype) -> torch.Tensor:
-    """[E, rows, cols] from per-expert tensors concatenated on their dim 0, or from one fused tensor."""
-    if spec.fused is not None and f"{prefix}.{spec.fused}" in ckpt:
-        return _read(ckpt, f"{prefix}.{spec.fused}", shape).to(dtype).contiguous()
-    out = torch.empty(shape, dtype=dtype)  # [E, rows, cols]
-    for e in range(shape[0]):
-        row = 0
-        for pattern in spec.per_expert:
-            name = f"{prefix}.{pattern.format(e=e)}"
-            part_shape = ckpt.shape(name)  # [rows_part, cols]
-            if len(part_shape) != 2 or part_shape[1] != shape[2] or row + part_shape[0] > shape[1]:
-                raise CheckpointError(f"tensor {name!r} in {ckpt.path} has shape {list(part_shape)}, which does "
-                                      f"not fit expert rows [{row}:] of {list(shape[1:])}")
-            dst = out[e, row:row + part_shape[0]]  # contiguous rows of one expert
-            if ckpt.dtype(name) == dtype:
-                ckpt.read(name, out=dst)  # straight from the file into the stacked buffer
-            else:
-                dst.copy_(ckpt.read(name))
-            row += part_shape[0]
-        if row != shape[1]:
-            raise CheckpointError(f"experts {spec.per_expert} of {prefix} fill {row} rows, expected {shape[1]}")
+def _read_expert(ckpt: Checkpoint, prefix: str, spec: ExpertWeights, shape: tuple[int, ...], dtype: torch.dtype,
+                 e: int) -> torch.Tensor:
+    """Expert e's [rows, cols]: its per-expert tensors concatenated on their dim 0."""
+    out = torch.empty(shape, dtype=dtype)  # [rows, cols]
+    row = 0
+    for pattern in spec.per_expert:
+        name = f"{prefix}.{pattern.format(e=e)}"
+        if name not in ckpt:
+            raise CheckpointError(f"tensor {name!r} not found in checkpoint {ckpt.path}")
+        part_shape = ckpt.shape(name)  # [rows_part, cols]
+        if len(part_shape) != 2 or part_shape[1] != shape[1] or row + part_shape[0] > shape[0]:
+            raise CheckpointError(f"tensor {name!r} in {ckpt.path} has shape {list(part_shape)}, which does "
+                                  f"not fit expert rows [{row}:] of {list(shape)}")
+        dst = out[row:row + part_shape[0]]  # contiguous rows
+        if ckpt.dtype(name) == dtype:
+            ckpt.read(name, out=dst)  # straight from the file
+        else:
+            dst.copy_(ckpt.read(name))
+        row += part_shape[0]
+    if row != shape[0]:
+        raise CheckpointError(f"experts {spec.per_expert} of {prefix} fill {row} rows, expected {shape[0]}")
     return out

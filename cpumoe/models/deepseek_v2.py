@@ -115,8 +115,9 @@ class DeepseekV2MoE(MoEBlock):
         self.routing = dict(scoring="softmax", num_expert_group=num_expert_group, topk_group=topk_group,
                             routed_scaling_factor=routed_scaling_factor)
 
-    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:  # w13 [E, 2I, H], w2 [E, H, I]
-        self.experts = FusedMoE(w13, w2, top_k=self.top_k, renormalize=False, backend=self.backend, **self.routing)
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, expert_reader=None) -> None:  # see MoEBlock
+        self.experts = FusedMoE(w13, w2, top_k=self.top_k, renormalize=False, backend=self.backend,
+                                expert_reader=expert_reader, **self.routing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H]
         if self.experts is None:

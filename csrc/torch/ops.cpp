@@ -251,6 +251,8 @@ PYBIND11_MODULE(_C, m) {
            pybind11::arg("bytes"))
       .def("read_gbps", &cpumoe::ReadBandwidthProbe::read_gbps, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("bytes", &cpumoe::ReadBandwidthProbe::bytes);
+  m.def("advise_huge_pages", [](const at::Tensor& t) { return cpumoe::advise_huge_pages(t.data_ptr(), t.nbytes()); },
+        "Ask for 2 MB pages over a tensor's storage; call before writing it");
   m.def("measure_read_bandwidth", [](int64_t bytes, int repetitions) {
     auto r = cpumoe::measure_read_bandwidth(bytes, repetitions, cpumoe::torch_parallel());
     return std::make_tuple(r.best_gbps, r.median_gbps);

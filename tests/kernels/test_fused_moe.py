@@ -120,3 +120,20 @@ def test_empty_batch(path, dtype):
     layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2, backend=path)
     out = layer(p.x[:0], torch.zeros(0, 4))
     assert out.shape == (0, 64) and out.dtype == dtype
+
+
+@pytest.mark.parametrize("path,dtype", path_dtype_grid())
+def test_expert_reader_packs_like_whole_tensors(path, dtype):
+    p = make_problem(MoECase(M=21, H=96, I=40, E=6, k=2), dtype, bias=True)
+    whole = cpumoe.FusedMoE(p.w13, p.w2, top_k=2, w13_bias=p.w13_bias, w2_bias=p.w2_bias, backend=path)
+    read = []
+    streamed = cpumoe.FusedMoE(p.w13.to("meta"), p.w2.to("meta"), top_k=2, w13_bias=p.w13_bias, w2_bias=p.w2_bias,
+                               backend=path, expert_reader=lambda e: read.append(e) or (p.w13[e], p.w2[e]))
+    assert sorted(read) == list(range(6))
+    assert torch.equal(streamed.experts(p.x, p.topk_weights, p.topk_ids), whole.experts(p.x, p.topk_weights, p.topk_ids))
+
+
+def test_expert_reader_shape_mismatch_is_named():
+    p = make_problem(MoECase(M=2, H=64, I=32, E=2, k=1), torch.float32)
+    with pytest.raises(ValueError, match="expert 0: w13"):
+        cpumoe.FusedMoE(p.w13.to("meta"), p.w2.to("meta"), top_k=1, expert_reader=lambda e: (p.w13[e][:10], p.w2[e]))
