@@ -17,6 +17,7 @@ from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from cpumoe.loader import Checkpoint, CheckpointError  # noqa: E402
 from cpumoe.models import MODELS, load_model  # noqa: E402
 from cpumoe.models.blocks import MoEBlock  # noqa: E402
+from tests.models.tiny import spread_weights_  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 PROMPT = [111, 87, 25, 71, 115, 92, 74, 62, 46, 32, 88]
@@ -43,13 +44,7 @@ class Arch:
         torch.manual_seed(0)
         config = getattr(transformers, f"{self.hf}Config")(**{**_COMMON, **self.config, **overrides})
         model = getattr(transformers, f"{self.hf}ForCausalLM")(config)
-        with torch.no_grad():  # init std 0.02 gives near-flat logits and routing; spread them out
-            for name, p in model.named_parameters():
-                if p.dim() > 1:
-                    p.mul_(5.0)
-                elif name.endswith(".bias"):  # zero-initialized: make them count
-                    p.normal_(0.0, 0.5)
-        return model.to(dtype).eval()
+        return spread_weights_(model).to(dtype).eval()
 
 
 ARCHS = {a.model_type: a for a in [

@@ -18,6 +18,7 @@ from cpumoe.models import MODELS, load_model  # noqa: E402
 from cpumoe.models.blocks import GatedMLP  # noqa: E402
 from cpumoe.models.deepseek_v2 import DeepseekV2MoE  # noqa: E402
 from tests.models.test_architectures import min_router_margin, rel_err  # noqa: E402
+from tests.models.tiny import spread_weights_  # noqa: E402
 
 TOL = 1e-4
 PROMPT = torch.tensor([[111, 87, 25, 71, 115, 92, 74, 62, 46, 32, 88]])  # [1, T]
@@ -40,13 +41,7 @@ VARIANTS = {
 def tiny_model(**overrides):
     torch.manual_seed(0)
     model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**{**BASE, **overrides}))
-    with torch.no_grad():  # init std 0.02 gives near-flat logits and routing; spread them out
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.mul_(5.0)
-            elif name.endswith(".bias"):  # zero-initialized: make them count
-                p.normal_(0.0, 0.5)
-    return model.float().eval()
+    return spread_weights_(model).float().eval()
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
