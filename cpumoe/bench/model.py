@@ -34,6 +34,7 @@ from cpumoe.engine import LLMEngine
 from cpumoe.engine.api import SamplingParams
 from cpumoe.engine.config import EngineConfig
 from cpumoe.models.blocks import MoEBlock
+from cpumoe.models.packed_linear import PackedLinear
 
 MM_SIZE = 4096
 QUICK_MM_SIZE = 1024
@@ -102,7 +103,10 @@ def weight_bytes(engine: LLMEngine) -> WeightBytes:
     model = engine.model
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     embed = model.model.embed_tokens.weight
-    dense_elems = sum(p.numel() for p in model.parameters()) - embed.numel()
+    # Parameters, plus the projections packed for cpumoe's kernels (a buffer each; routers keep `.weight` too).
+    packed = sum(m.in_features * m.out_features for m in model.modules()
+                 if isinstance(m, PackedLinear) and m.weight is None)
+    dense_elems = sum(p.numel() for p in model.parameters()) + packed - embed.numel()
     if getattr(model.config, "tie_word_embeddings", False):
         dense_elems += embed.numel()  # the tied lm_head is read every step
     b = blocks[0]

@@ -1,4 +1,4 @@
-"""Dense projections on cpumoe's kernels: after loading, each nn.Linear of a model (routers aside) becomes a
+"""Dense projections on cpumoe's kernels: after loading, each nn.Linear of a model (routers too) becomes a
 PackedLinear whose weight is packed once for the fastest kernel path of its dtype. At decode sizes these
 projections are weight streams like the experts, and the kernels read them near the memory bandwidth
 (about 1.7x torch's bf16 linear at batch 1 here); at prefill sizes they run at the GEMM's rate.
@@ -14,15 +14,16 @@ from cpumoe import ops
 from cpumoe.experts import ExpertsConfig, choose_path
 from cpumoe.logs import logger
 
-# Routers stay nn.Linear: some models compute them in float32 from `.weight`, and they are tiny.
+# Routers keep `.weight` beside the packed copy: some models compute them in float32 from it (and they are tiny).
 ROUTER_NAMES = ("gate", "shared_expert_gate")
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, path: str):
+    def __init__(self, linear: nn.Linear, path: str, keep_weight: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.path = linear.in_features, linear.out_features, path
         self.register_buffer("packed_weight", ops.pack_linear(linear.weight.detach(), path), persistent=False)
+        self.weight = linear.weight if keep_weight else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
@@ -33,7 +34,7 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype, backend: str = "auto") -> int:
-    """Replace the model's nn.Linear modules (routers aside) by PackedLinear; returns how many."""
+    """Replace the model's nn.Linear modules by PackedLinear; returns how many."""
     if backend == "naive":
         return 0
     config = ExpertsConfig(hidden_size=64, inter_size=64, num_experts=1, top_k=1, dtype=dtype)
@@ -41,9 +42,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, backend: str = "auto") ->
     if path == "naive":
         logger.info("dense projections stay torch nn.Linear: no native kernel path takes %s", dtype)
         return 0
-    targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is nn.Linear and name.rpartition(".")[2] not in ROUTER_NAMES]
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, PackedLinear(linear, path))
+        setattr(model.get_submodule(parent_name), attr, PackedLinear(linear, path, keep_weight=attr in ROUTER_NAMES))
     return len(targets)

@@ -6,6 +6,7 @@ import torch
 
 from cpumoe.bench.model import ModelCase, engine_config
 from cpumoe.cli import main
+from cpumoe.models import load_model
 from cpumoe.synthetic.checkpoint import make_checkpoint, tiny_overrides
 
 
@@ -27,6 +28,10 @@ def test_bench_model_json(tmp_path, capsys):
         assert r["ttft_ms"] > 0 and r["itl_ms"] > 0 and r["throughput_tok_s"] > 0, r
         assert r["decode_gbs"] > 0 and r["prefill_gflops"] > 0 and r["peak_rss_gb"] > 0, r
     assert report["weights"]["moe_layers"] == 2 and report["weights"]["experts"] == 4
+    # Every dense weight counted once, packed or not: the naive model keeps them all as nn.Linear parameters.
+    naive = load_model(path, backend="naive")
+    dense = sum(p.numel() for p in naive.parameters()) - naive.model.embed_tokens.weight.numel()
+    assert report["weights"]["dense_elems"] == dense
     assert "TTFT ms" in capsys.readouterr().out
 
 
