@@ -161,7 +161,8 @@ def _add_bench(commands) -> None:
     p.add_argument("--compare", choices=["naive"], help="also run the experts on this path, case by case")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write every result here")
-    p.add_argument("--quick", action="store_true", help="a smaller bandwidth probe and mm (smoke runs)")
+    p.add_argument("--repeats", type=int, default=3, help="round-robin repetitions of every case (default 3)")
+    p.add_argument("--quick", action="store_true", help="one repetition, a smaller bandwidth probe and mm (smoke runs)")
     p.set_defaults(func=_cmd_bench_model)
 
 
@@ -221,8 +222,10 @@ def _cmd_bench_model(args) -> int:
     cases = [ModelCase(b, i, o) for b, i, o in itertools.product(args.batch, args.input_len, args.output_len)]
     console = _console()
     try:
+        if args.repeats < 1:
+            raise ValueError("--repeats must be positive")
         report = run_model_bench(args.model, cases, dtype=args.dtype, compare_naive=args.compare == "naive",
-                                 quick=args.quick, progress=Console(stderr=True))
+                                 quick=args.quick, repeats=args.repeats, progress=Console(stderr=True))
     except ValueError as e:  # a checkpoint that is missing, incomplete or not supported
         sys.exit(f"cpumoe bench model: error: {e}")
     render_model_report(report, console)

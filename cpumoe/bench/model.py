@@ -37,6 +37,7 @@ from cpumoe.models.blocks import MoEBlock
 from cpumoe.models.packed_linear import PackedLinear
 
 MM_SIZE = 4096
+REPEATS = 3            # round-robin repetitions of every case
 QUICK_MM_SIZE = 1024
 
 
@@ -213,8 +214,13 @@ def engine_config(cases: Sequence[ModelCase], block_size: int = 16) -> EngineCon
 
 
 def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtype | None = None,
-                    compare_naive: bool = False, quick: bool = False, progress: Console | None = None) -> dict:
-    """quick: a 256 MiB bandwidth probe and a 1024^3 mm (tests, smoke runs)."""
+                    compare_naive: bool = False, quick: bool = False, repeats: int = REPEATS,
+                    progress: Console | None = None) -> dict:
+    """quick: one repetition, a 256 MiB bandwidth probe and a 1024^3 mm (tests, smoke runs).
+
+    Side by side: after a warm-up of each case, the cases run in turn `repeats` times and each reports its run of
+    median end-to-end time, so ratios between cases (batch 16 against batch 1) come from the same minutes."""
+    repeats = 1 if quick else repeats
     config = engine_config(cases)
     reset_peak_rss()
     engine = LLMEngine(model_path, dtype=dtype, config=config)
@@ -236,9 +242,15 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
             load_rss[name] = peak_rss_gb()
         for case in cases:
             if progress is not None:
-                progress.print(f"[dim]{name}: batch {case.batch}, input {case.input_len}, output {case.output_len}[/]")
-            run_case(engine, case, probe, mm, weights)  # warm-up
-            results.append(run_case(engine, case, probe, mm, weights, seed=1))
+                progress.print(f"[dim]{name}: warm-up, batch {case.batch}, input {case.input_len}[/]")
+            run_case(engine, case, probe, mm, weights)
+        runs: dict[ModelCase, list[ModelResult]] = {case: [] for case in cases}
+        for rep in range(repeats):
+            if progress is not None:
+                progress.print(f"[dim]{name}: repetition {rep + 1} of {repeats} over {len(cases)} cases[/]")
+            for case in cases:
+                runs[case].append(run_case(engine, case, probe, mm, weights, seed=1 + rep))
+        results += [sorted(rs, key=lambda r: r.e2e_s)[len(rs) // 2] for rs in runs.values()]
     order = {c: i for i, c in enumerate(cases)}
     results.sort(key=lambda r: order[ModelCase(r.batch, r.input_len, r.output_len)])  # case by case (stable)
     return dict(model=str(model_path), dtype=str(model_dtype).removeprefix("torch."), cpu=cpu_model(),
