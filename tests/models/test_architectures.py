@@ -17,6 +17,7 @@ from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from cpumoe.loader import Checkpoint, CheckpointError  # noqa: E402
 from cpumoe.models import MODELS, load_model  # noqa: E402
 from cpumoe.models.blocks import MoEBlock  # noqa: E402
+from cpumoe.synthetic.checkpoint import MODELS as SYNTHETIC_MODELS  # noqa: E402
 from tests.models.tiny import spread_weights_  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -31,7 +32,6 @@ class Arch:
     hf: str  # transformers class prefix: {hf}Config, {hf}ForCausalLM
     config: dict
     on_disk: tuple[str, ...]  # tensor names save_pretrained must write (per-expert hub layout)
-    preset: str | None = None  # cpumoe.synthetic preset, if there is one
     # chosen so that no token's 2nd and 3rd expert nearly tie in bf16 (see min_router_margin): a near tie lets
     # bf16 rounding pick a different expert, and one rerouted token moves the logits by ~10%.
     prompt: tuple[int, ...] = tuple(PROMPT)
@@ -52,10 +52,10 @@ ARCHS = {a.model_type: a for a in [
          on_disk=("model.layers.2.block_sparse_moe.gate.weight", "model.layers.0.block_sparse_moe.experts.7.w1.weight",
                   "model.layers.0.block_sparse_moe.experts.7.w3.weight",
                   "model.layers.0.block_sparse_moe.experts.7.w2.weight"),
-         preset="mixtral-8x7b", prompt=(16, 120, 67, 14, 27, 120, 55, 24, 44, 47, 21)),
+         prompt=(16, 120, 67, 14, 27, 120, 55, 24, 44, 47, 21)),
     Arch("olmoe", "Olmoe", dict(intermediate_size=32, num_experts=8),
          on_disk=("model.layers.0.self_attn.q_norm.weight", "model.layers.0.mlp.experts.7.gate_proj.weight"),
-         preset="olmoe-1b-7b", prompt=(88, 111, 17, 57, 61, 114, 46, 85, 114, 34, 82)),
+         prompt=(88, 111, 17, 57, 61, 114, 46, 85, 114, 34, 82)),
     Arch("qwen2_moe", "Qwen2Moe", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                                        shared_expert_intermediate_size=48, mlp_only_layers=[1]),
          on_disk=("model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.shared_expert.up_proj.weight",
@@ -197,7 +197,7 @@ def test_qwen3_moe_attention_bias(tmp_path):
     assert rel_err(ours(QWEN3_PROMPT), theirs) <= TOL[torch.float32]
 
 
-@pytest.mark.parametrize("preset", [a.preset for a in ARCHS.values() if a.preset])
+@pytest.mark.parametrize("preset", sorted(SYNTHETIC_MODELS))  # qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b
 def test_synthetic_checkpoint_matches(preset, tmp_path):
     """`cpumoe make-model`'s checkpoint (hub names, locally trained tokenizer) loads in both and agrees."""
     from cpumoe.synthetic.checkpoint import make_checkpoint, tiny_overrides
