@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpumoe.layer import FusedMoE
+from cpumoe.models.rope import rope_parameters
 
 
 class RMSNorm(nn.Module):
@@ -32,20 +33,32 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default RoPE (rotate-half layout): inv_freq[i] = theta^(-2i/d). No buffers: cheap to rebuild per call."""
+    """RoPE, rotate-half layout: cos, sin [T, d] of positions * inv_freq, times the attention factor (as transformers:
+    `cos = emb.cos() * attention_scaling`). inv_freq and the factor come from rope.py: scaling None is default RoPE
+    (inv_freq[i] = theta^(-2i/d), factor 1), else a rope dict (linear, yarn, llama3; see rope.rope_from_config).
+    inv_freq is a plain float32 CPU tensor, not a buffer: models are built on the meta device, and it stays fp32."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.inv_freq, self.attention_factor = rope_parameters(head_dim, theta, scaling)  # [d/2], float
+
+    @property
+    def cache_key(self) -> tuple:
+        """Equal for rotaries that give the same cos/sin (layers share one step's)."""
+        return ("rope", self.head_dim, self.theta, repr(sorted((self.scaling or {}).items())))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))  # [d/2]
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta}"
+        scaling = f", scaling={self.scaling}" if self.scaling else ""
+        return f"head_dim={self.head_dim}, theta={self.theta}{scaling}"
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -177,7 +190,7 @@ class Attention(nn.Module):
 
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope_theta: float,
                  qk_norm: QKNorm, norm_eps: float, qkv_bias: bool = False, o_bias: bool = False,
-                 clip_qkv: float | None = None):
+                 clip_qkv: float | None = None, rope_scaling: dict | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
@@ -190,7 +203,7 @@ class Attention(nn.Module):
         q_dim, k_dim = (num_heads * head_dim, num_kv_heads * head_dim) if qk_norm == QKNorm.FULL else (head_dim, head_dim)
         self.q_norm = None if qk_norm == QKNorm.NONE else RMSNorm(q_dim, norm_eps)
         self.k_norm = None if qk_norm == QKNorm.NONE else RMSNorm(k_dim, norm_eps)
-        self.rotary = RotaryEmbedding(head_dim, rope_theta)
+        self.rotary = RotaryEmbedding(head_dim, rope_theta, rope_scaling)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., H] -> q [..., nh, d], k and v [..., nkv, d], normed and clipped, before RoPE."""
@@ -222,7 +235,7 @@ class Attention(nn.Module):
                        layer: int) -> torch.Tensor:  # x [T, H], positions [T]
         T = x.shape[0]
         q, k, v = self._qkv(x)  # [T, nh, d], [T, nkv, d], [T, nkv, d]
-        key = ("rope", self.rotary.head_dim, self.rotary.theta, x.dtype)
+        key = (*self.rotary.cache_key, x.dtype)
         if key not in context.cache:  # once per step: every layer has the same positions
             cos, sin = self.rotary(positions, x.dtype)  # [T, d]
             context.cache[key] = cos[:, None], sin[:, None]  # [T, 1, d]

@@ -23,6 +23,7 @@ from torch import nn
 
 from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.models.blocks import Attention, AttentionContext, ExpertWeights, GatedMLP, MoEBlock, QKNorm, RMSNorm
+from cpumoe.models.rope import rope_from_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,7 @@ class MoeDecoderConfig:
     mlp_only_layers: list[int] = field(default_factory=list)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # rope.rope_from_config's normalized dict; None: default RoPE
     qkv_bias: bool = False
     o_bias: bool = False
     clip_qkv: float | None = None
@@ -76,10 +78,10 @@ class MoeDecoderConfig:
         if act != "silu":
             raise CheckpointError(f"{ckpt.path}: hidden_act {act!r} is not supported (silu only)")
         _check_no_sliding_window(ckpt)
-        rope = get("rope_parameters", "rope_scaling", default=None) or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise CheckpointError(f"{ckpt.path}: rope type {rope.get('rope_type', rope.get('type'))!r} is not "
-                                  "supported yet (default RoPE only)")
+        try:
+            rope_theta, rope_scaling = rope_from_config(ckpt.config)
+        except ValueError as e:
+            raise CheckpointError(f"{ckpt.path}: {e}") from None
         heads = get("num_attention_heads")
         bias = bool(get(spec.bias_field, default=spec.bias_default)) if spec.bias_field else False
         return cls(
@@ -95,7 +97,7 @@ class MoeDecoderConfig:
             decoder_sparse_step=get("decoder_sparse_step", default=1) or 1,
             mlp_only_layers=list(get("mlp_only_layers", default=[]) or []),
             rms_norm_eps=get("rms_norm_eps", default=1e-6),
-            rope_theta=rope.get("rope_theta", get("rope_theta", default=10000.0)),
+            rope_theta=rope_theta, rope_scaling=rope_scaling,
             qkv_bias=bias, o_bias=bias and spec.o_bias, clip_qkv=get("clip_qkv", default=None),
             tie_word_embeddings=get("tie_word_embeddings", default=False),
         )
@@ -125,7 +127,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
                                    num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
                                    qk_norm=spec.qk_norm, norm_eps=c.rms_norm_eps, qkv_bias=c.qkv_bias,
-                                   o_bias=c.o_bias, clip_qkv=c.clip_qkv)
+                                   o_bias=c.o_bias, clip_qkv=c.clip_qkv, rope_scaling=c.rope_scaling)
         if c.is_moe_layer(layer):
             self.mlp_name = spec.moe
             mlp: nn.Module = MoEBlock(hidden_size=c.hidden_size, num_experts=c.num_experts,

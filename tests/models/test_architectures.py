@@ -210,3 +210,62 @@ def test_synthetic_checkpoint_matches(preset, tmp_path):
         theirs = theirs_model(ids).logits.float()
         ours = load_model(path)(ids)
     assert rel_err(ours, theirs) <= TOL[torch.float32], f"{preset}: rel err {rel_err(ours, theirs):.2e}"
+
+
+# RoPE scaling through the shared decoder's Attention (rope.py). A short original_max_position_embeddings puts most
+# of the tiny head_dim's frequencies inside yarn's interpolated range at these prompt lengths.
+ROPE_VARIANTS = {
+    "qwen3_moe-yarn": ("qwen3_moe", dict(max_position_embeddings=64, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 1e4})),
+    "qwen3_moe-yarn-no-truncate-attention-factor": ("qwen3_moe", dict(max_position_embeddings=64, rope_parameters={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8, "beta_fast": 8.0,
+        "beta_slow": 2.0, "truncate": False, "attention_factor": 1.3, "rope_theta": 1e4})),
+    "mixtral-linear": ("mixtral", dict(rope_parameters={"rope_type": "linear", "factor": 3.0, "rope_theta": 1e4})),
+    "olmoe-llama3": ("olmoe", dict(rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16, "rope_theta": 1e4})),
+}
+
+
+def _rope_variant_model(name):
+    model_type, overrides = ROPE_VARIANTS[name]
+    if model_type == "qwen3_moe":
+        from tests.models.test_qwen3_moe import PROMPT as QWEN3_PROMPT, tiny_model
+        return tiny_model(**overrides), QWEN3_PROMPT, tiny_model()
+    arch = ARCHS[model_type]
+    return arch.tiny_model(**overrides), arch.ids, arch.tiny_model()
+
+
+@pytest.mark.parametrize("name", list(ROPE_VARIANTS))
+def test_rope_scaling_matches(name, tmp_path):
+    """Prefill logits (fp32) and engine greedy tokens, whole prompt and chunked prefill, under a scaled RoPE; and the
+    scaling does change the logits (against the same weights with default RoPE)."""
+    theirs_model, ids, default_model = _rope_variant_model(name)
+    path = save(theirs_model, tmp_path)
+    ours = load_model(path)
+    kind = ROPE_VARIANTS[name][1]["rope_parameters"]["rope_type"]
+    assert ours.model.layers[0].self_attn.rotary.scaling["rope_type"] == kind
+    with torch.no_grad():
+        theirs = theirs_model(ids).logits
+        unscaled = default_model(ids).logits
+    err = rel_err(ours(ids), theirs)
+    assert err <= TOL[torch.float32], f"{name}: rel err {err:.2e}"
+    assert rel_err(unscaled, theirs) > 100 * TOL[torch.float32], f"{name}: the scaling changes nothing here"
+    with torch.no_grad():
+        ref = theirs_model.generate(ids, do_sample=False, max_new_tokens=8, min_new_tokens=8)[0, ids.shape[1]:]
+    for budget in (512, 4):
+        engine = LLMEngine(path, config=EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=budget))
+        out = engine.generate([ids[0].tolist()], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+        assert out.new_token_ids == ref.tolist(), f"{name}, token budget {budget}"
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+                                  {"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4}],
+                         ids=["dynamic", "longrope"])
+def test_unsupported_rope_is_refused(rope, tmp_path):
+    path = save(ARCHS["mixtral"].tiny_model(), tmp_path / "model")
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = rope
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"rope type '{rope['rope_type']}' is not supported; supported: "):
+        load_model(path)
