@@ -33,6 +33,7 @@ from cpumoe.bench.machine import cpu_model
 from cpumoe.engine import LLMEngine
 from cpumoe.engine.api import SamplingParams
 from cpumoe.engine.config import EngineConfig
+from cpumoe.loader import Checkpoint
 from cpumoe.models.blocks import MoEBlock
 from cpumoe.models.packed_linear import PackedLinear
 
@@ -257,8 +258,27 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
                 threads=torch.get_num_threads(), features=ops.cpu_features(), experts_path=path,
                 weights=dict(asdict(weights), dense=weights.dense, expert=weights.expert),
                 load_peak_rss_gb=load_rss["fused"], load_peak_rss_gb_by_engine=load_rss,
+                checkpoint_gb=Checkpoint(model_path).weights_bytes / 1e9,
                 kv_cache_gb=config.num_blocks * config.block_size * weights.kv_per_token / 1e9,
-                results=[asdict(r) for r in results])
+                results=[asdict(r) for r in results], batch_scaling=batch_scaling(results, weights))
+
+
+def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes) -> list[dict]:
+    """Decode tokens/s at batch B over batch 1 (same path, input and output lengths), beside the most a weight
+    stream allows: B x bytes(step of 1) / bytes(step of B), with B tokens touching the expected distinct experts
+    of uniform routing (the batch-B step reads more experts, so it cannot gain B-fold)."""
+    single = {(r.path, r.input_len, r.output_len): r for r in results if r.batch == 1}
+    rows = []
+    for r in results:
+        base = single.get((r.path, r.input_len, r.output_len))
+        if r.batch == 1 or base is None:
+            continue
+        context = r.input_len + r.output_len / 2
+        bound = r.batch * weights.decode_step_bytes(1, context) / weights.decode_step_bytes(r.batch, context)
+        speedup = r.decode_tok_s / base.decode_tok_s
+        rows.append(dict(path=r.path, batch=r.batch, input_len=r.input_len, output_len=r.output_len,
+                         decode_speedup=speedup, bandwidth_bound_speedup=bound, pct_of_bound=100 * speedup / bound))
+    return rows
 
 
 def render_model_report(report: dict, console: Console) -> None:
@@ -281,3 +301,18 @@ def render_model_report(report: dict, console: Console) -> None:
                       f"{r['decode_gbs']:.1f}", f"{r['decode_bandwidth_pct']:.0f}%", f"{r['prefill_gflops']:.0f}",
                       f"{r['prefill_mm_pct']:.0f}%", f"{r['peak_rss_gb']:.2f}")
     console.print(table)
+    ckpt, kv = report["checkpoint_gb"], report["kv_cache_gb"]
+    serving = max(r["peak_rss_gb"] for r in report["results"])
+    console.print(f"memory: checkpoint {ckpt:.2f} GB; peak RSS loading {report['load_peak_rss_gb']:.2f} GB "
+                  f"({report['load_peak_rss_gb'] / ckpt:.2f}x checkpoint); serving {serving:.2f} GB "
+                  f"({(serving - kv) / ckpt:.2f}x checkpoint + KV cache {kv:.2f} GB)")
+    if report.get("batch_scaling"):
+        scaling = Table(title="decode batch scaling (against batch 1; bound: the weight bytes a step reads)",
+                        title_justify="left")
+        for name in ("batch", "in", "out", "experts", "decode speedup", "bandwidth bound", "% of bound"):
+            scaling.add_column(name, justify="right", no_wrap=True)
+        for s in report["batch_scaling"]:
+            scaling.add_row(str(s["batch"]), str(s["input_len"]), str(s["output_len"]), s["path"],
+                            f"{s['decode_speedup']:.2f}x", f"{s['bandwidth_bound_speedup']:.2f}x",
+                            f"{s['pct_of_bound']:.0f}%")
+        console.print(scaling)

@@ -61,6 +61,11 @@ class Checkpoint:
                 return {name: SINGLE for name in f.keys()}
         raise CheckpointError(f"no weights in {self.path}: expected {SINGLE} or {INDEX}")
 
+    @property
+    def weights_bytes(self) -> int:
+        """Size on disk of the weight files (all shards)."""
+        return sum((self.path / shard).stat().st_size for shard in set(self._file_of.values()))
+
     # --- config ---------------------------------------------------------------------------------------------
     def config_get(self, *keys: str, default=_REQUIRED):
         """The first of `keys` present in config.json (aliases, e.g. "num_experts", "num_local_experts")."""

@@ -28,11 +28,19 @@ def test_bench_model_json(tmp_path, capsys):
         assert r["ttft_ms"] > 0 and r["itl_ms"] > 0 and r["throughput_tok_s"] > 0, r
         assert r["decode_gbs"] > 0 and r["prefill_gflops"] > 0 and r["peak_rss_gb"] > 0, r
     assert report["weights"]["moe_layers"] == 2 and report["weights"]["experts"] == 4
+    files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert report["checkpoint_gb"] == pytest.approx(files / 1e9)
+    # batch 3 against batch 1, per path; 4 experts top-2: 3 tokens read ~3.6 of them, 1 token 2
+    scaling = report["batch_scaling"]
+    assert [(s["batch"], s["path"] == "naive") for s in scaling] == [(3, False), (3, True)]
+    for s in scaling:
+        assert s["decode_speedup"] > 0 and 1 < s["bandwidth_bound_speedup"] < 3, s
     # Every dense weight counted once, packed or not: the naive model keeps them all as nn.Linear parameters.
     naive = load_model(path, backend="naive")
     dense = sum(p.numel() for p in naive.parameters()) - naive.model.embed_tokens.weight.numel()
     assert report["weights"]["dense_elems"] == dense
-    assert "TTFT ms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "TTFT ms" in out and "x checkpoint + KV cache" in out and "decode batch scaling" in out
 
 
 def test_bench_model_missing_checkpoint(tmp_path):
