@@ -5,7 +5,7 @@ Supported (model_type: examples), all one decoder (moe_decoder.py) under a per-a
     qwen2_moe  Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B     q/k/v bias, sigmoid-gated shared expert
     mixtral    Mixtral-8x7B, Mixtral-8x22B           block_sparse_moe w1/w3/w2; no sliding window
     olmoe      OLMoE-1B-7B                           q/k norm over the full projections, clip_qkv
-    deepseek_v2  DeepSeek-V2, -V2-Lite (default RoPE only)  MLA (mla.py), grouped routing: own layers, same forward
+    deepseek_v2  DeepSeek-V2, -V2-Lite (yarn RoPE)   MLA (mla.py), grouped routing: own layers, same forward
 
     load_model(path) -> Checkpoint(path) -> MODELS[model_type] built on the meta device
                      -> every parameter <- the checkpoint tensor of its name

@@ -10,8 +10,9 @@ logits it reuses:
   group scored by its best expert ("group_limited_greedy") -> weights * routed_scaling_factor, never renormalized
   (transformers' DeepseekV2 ignores norm_topk_prob; so do we) -> + an ungated shared MLP of
   moe_intermediate_size * n_shared_experts.
-Default RoPE only: a config with rope_scaling / rope_parameters of another type (the published V2 checkpoints use
-yarn) is refused with a CheckpointError.
+RoPE: default, or scaled as rope.py supports (the published V2 checkpoints use yarn: factor 40 over 4096 original
+positions, mscale = mscale_all_dim = 0.707), applied as transformers' DeepseekV2 does (see mla.py); other types are
+refused with a CheckpointError.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.models.blocks import AttentionContext, GatedMLP, MoEBlock, RMSNorm
 from cpumoe.models.mla import MLAttention
 from cpumoe.models.moe_decoder import ArchSpec, MoeDecoderForCausalLM, MoeDecoderModel
+from cpumoe.models.rope import rope_from_config
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -54,6 +56,7 @@ class DeepseekV2Config:
     routed_scaling_factor: float = 1.0
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # rope.rope_from_config's normalized dict; None: default RoPE
     attention_bias: bool = False
     tie_word_embeddings: bool = False
 
@@ -76,11 +79,10 @@ class DeepseekV2Config:
             raise CheckpointError(f"{ckpt.path}: hidden_act {act!r} is not supported (silu only)")
         if get("mlp_bias", default=False):
             raise CheckpointError(f"{ckpt.path}: mlp_bias is not supported")
-        rope = get("rope_parameters", default=None) or get("rope_scaling", default=None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"{ckpt.path}: rope type {rope_type!r} is not supported yet for deepseek_v2 "
-                                  "(default RoPE only)")
+        try:
+            rope_theta, rope_scaling = rope_from_config(ckpt.config)
+        except ValueError as e:
+            raise CheckpointError(f"{ckpt.path}: {e}") from None
         method = get("topk_method", default="greedy") or "greedy"
         if method not in TOPK_METHODS:
             raise CheckpointError(f"{ckpt.path}: topk_method {method!r} is not supported; expected one of "
@@ -96,7 +98,7 @@ class DeepseekV2Config:
             n_group=get("n_group", default=None), topk_group=get("topk_group", default=None),
             routed_scaling_factor=get("routed_scaling_factor", default=1.0),
             rms_norm_eps=get("rms_norm_eps", default=1e-6),
-            rope_theta=rope.get("rope_theta", get("rope_theta", default=10000.0)),
+            rope_theta=rope_theta, rope_scaling=rope_scaling,
             attention_bias=bool(get("attention_bias", default=False)),
             tie_word_embeddings=get("tie_word_embeddings", default=False),
         )
@@ -142,7 +144,7 @@ class DeepseekV2DecoderLayer(nn.Module):
                                      q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
                                      qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
                                      v_head_dim=c.v_head_dim, rope_theta=c.rope_theta, cache_head_dim=c.head_dim,
-                                     bias=c.attention_bias)
+                                     bias=c.attention_bias, rope_scaling=c.rope_scaling)
         if c.is_moe_layer(layer):
             grouped = c.topk_method == "group_limited_greedy"
             self.mlp: nn.Module = DeepseekV2MoE(

@@ -1,11 +1,14 @@
 """DeepSeek-V2 (MLA attention, dense first layer, shared expert, greedy / group-limited routing) against transformers:
 a tiny random DeepseekV2ForCausalLM saved with save_pretrained and loaded by cpumoe.models.load_model gives the same
 prefill logits, the same greedy tokens without a cache, and the engine (paged KV cache, whole prompt and chunked
-prefill) generates what transformers' generate does.
+prefill) generates what transformers' generate does; with default RoPE and with yarn (the published checkpoints'
+parameters, in their legacy config.json form, and a short-context variant where yarn's frequency ramp and attention
+factor matter at these prompt lengths).
 
 Tolerance: max |ours - theirs| / max |theirs| over the logits <= 1e-4 in fp32.
 """
 import json
+import math
 
 import pytest
 import torch
@@ -35,7 +38,19 @@ VARIANTS = {
                                 attention_bias=True),
     "grouped-q-proj-v-wide": dict(topk_method="group_limited_greedy", n_group=2, topk_group=1, q_lora_rank=None,
                                   v_head_dim=32, qk_nope_head_dim=8),  # V wider than K: K and q padded
+    # DeepSeek-V2 / V2-Lite's RoPE: factor 40 over 4096 positions, mscale == mscale_all_dim (cos/sin factor 1, softmax
+    # scale x mscale^2). Its config.json is rewritten to the published form (rope_scaling, "type", top-level theta).
+    "yarn-v2-lite": dict(topk_method="greedy", q_lora_rank=None, max_position_embeddings=163840, rope_parameters={
+        "rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 1e4}),
+    # original_max_position_embeddings 16: the ramp covers these positions; mscale != mscale_all_dim: cos/sin scaled
+    "yarn-short-q-lora": dict(topk_method="group_limited_greedy", n_group=4, topk_group=1, q_lora_rank=24,
+                              max_position_embeddings=64, rope_parameters={
+                                  "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                  "beta_fast": 8, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5,
+                                  "rope_theta": 1e4}),
 }
+LEGACY_ROPE_CONFIG = {"yarn-v2-lite"}
 
 
 def tiny_model(**overrides):
@@ -49,7 +64,19 @@ def pair(request, tmp_path_factory):
     model = tiny_model(**VARIANTS[request.param])
     path = tmp_path_factory.mktemp(f"deepseek_v2_{request.param}")
     model.save_pretrained(path)
+    if request.param in LEGACY_ROPE_CONFIG:
+        write_legacy_rope_config(path)
     return request.param, model, path
+
+
+def write_legacy_rope_config(path):
+    """config.json as the published DeepSeek-V2 checkpoints have it: rope_scaling with "type", theta at the top."""
+    config = json.loads((path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    rope["type"] = rope.pop("rope_type")
+    config["rope_scaling"] = rope
+    (path / "config.json").write_text(json.dumps(config))
 
 
 def test_registered_and_layers(pair):
@@ -109,11 +136,28 @@ def test_engine_batch_of_two_matches_single(tmp_path):
     assert together == alone, name
 
 
+@pytest.mark.parametrize("name", [name for name in VARIANTS if name.startswith("yarn")])
+def test_yarn_scaling(name, tmp_path):
+    """The yarn variants: softmax scale x mscale(factor, mscale_all_dim)^2, and yarn does move the logits (the same
+    weights under default RoPE differ by far more than the tolerance)."""
+    model, path = tiny_model(**VARIANTS[name]), tmp_path
+    model.save_pretrained(path)
+    rope = VARIANTS[name]["rope_parameters"]
+    attn = load_model(path).model.layers[0].self_attn
+    mscale = 0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1.0
+    assert attn.scaling == pytest.approx(attn.qk_head_dim ** -0.5 * mscale ** 2, rel=1e-12)
+    assert attn.rope_scaling["rope_type"] == "yarn"
+    unscaled = tiny_model(**{**VARIANTS[name], "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    with torch.no_grad():
+        err = rel_err(unscaled(PROMPT).logits, model(PROMPT).logits)
+    assert err > 100 * TOL, f"{name}: yarn changes the logits by only {err:.1e}"
+
+
 @pytest.mark.parametrize("edit, match", [
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}), "rope type 'yarn'"),
-    (dict(rope_parameters=None, rope_scaling={"type": "yarn", "factor": 40.0}), "rope type 'yarn'"),
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}), "rope type 'dynamic'"),
+    (dict(rope_parameters=None, rope_scaling={"type": "longrope", "factor": 4.0}), "rope type 'longrope'"),
     (dict(topk_method="noaux_tc"), "topk_method 'noaux_tc'"),
-], ids=["yarn", "yarn-rope-scaling", "noaux-tc"])
+], ids=["dynamic", "longrope-rope-scaling", "noaux-tc"])
 def test_unsupported_configs_are_refused(edit, match, tmp_path):
     tiny_model(**VARIANTS["greedy-q-proj"]).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
