@@ -128,13 +128,36 @@ def experts_path(engine: LLMEngine) -> str:
     return next(m.experts.backend for m in engine.model.modules() if isinstance(m, MoEBlock))
 
 
-def run_case(engine: LLMEngine, case: ModelCase, probe, mm, weights: WeightBytes, seed: int = 0) -> ModelResult:
+@dataclass(frozen=True, slots=True)
+class MachineLimits:
+    """This machine's read bandwidth (a streaming-read probe of probe_bytes) and GEMM rate (torch.mm of
+    mm_size^3 in dtype), measured right before each case. Their buffers live only while measuring, so the
+    case's peak RSS is the engine's own."""
+    probe_bytes: int
+    mm_size: int
+    dtype: torch.dtype
+
+    def measure(self) -> tuple[float, float]:
+        """-> (read GB/s, median of 3 probes; mm GFLOP/s)."""
+        probe = ops.ReadBandwidthProbe(self.probe_bytes)
+        bandwidth = statistics.median(probe.read_gbps() for _ in range(3))
+        del probe
+        a = torch.randn(self.mm_size, self.mm_size).to(self.dtype)
+        b = torch.randn(self.mm_size, self.mm_size).to(self.dtype)
+        torch.mm(a, b)
+        t = time.perf_counter()
+        torch.mm(a, b)
+        return bandwidth, 2 * self.mm_size**3 / (time.perf_counter() - t) / 1e9
+
+
+def run_case(engine: LLMEngine, case: ModelCase, limits: MachineLimits, weights: WeightBytes,
+             seed: int = 0) -> ModelResult:
     vocab = engine.model.config.vocab_size
     g = torch.Generator().manual_seed(seed * 7919 + case.batch * 131 + case.input_len)
     prompts = torch.randint(0, vocab, (case.batch, case.input_len), generator=g).tolist()
     params = SamplingParams(max_tokens=case.output_len, temperature=0, ignore_eos=True)
-    bandwidth = statistics.median(probe.read_gbps() for _ in range(3))
-    mm_gflops = _mm_gflops(mm)
+    bandwidth, mm_gflops = limits.measure()
+    gc.collect()
 
     reset_peak_rss()
     start = time.perf_counter()
@@ -196,15 +219,6 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def _mm_gflops(mm) -> float:
-    """mm: (call, size)."""
-    call, size = mm
-    call()
-    t = time.perf_counter()
-    call()
-    return 2 * size**3 / (time.perf_counter() - t) / 1e9
-
-
 def engine_config(cases: Sequence[ModelCase], block_size: int = 16) -> EngineConfig:
     """Room for the largest case's every sequence, and a step budget that prefills a batch in few steps."""
     blocks = max(c.batch * -(-(c.input_len + c.output_len) // block_size) for c in cases)
@@ -228,11 +242,8 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
     load_rss = {"fused": peak_rss_gb()}
     weights = weight_bytes(engine)
     model_dtype, path = engine.dtype, experts_path(engine)
-    probe = ops.ReadBandwidthProbe((256 << 20) if quick else (1 << 30))
-    size = QUICK_MM_SIZE if quick else MM_SIZE
-    a = torch.randn(size, size).to(model_dtype)
-    b = torch.randn(size, size).to(model_dtype)
-    mm = (lambda: torch.mm(a, b), size)
+    limits = MachineLimits(probe_bytes=(256 << 20) if quick else (1 << 30),
+                           mm_size=QUICK_MM_SIZE if quick else MM_SIZE, dtype=model_dtype)
     results = []
     for name in ["fused", "naive"] if compare_naive else ["fused"]:
         if name == "naive":  # one engine at a time: free the first before loading the second
@@ -244,13 +255,13 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
         for case in cases:
             if progress is not None:
                 progress.print(f"[dim]{name}: warm-up, batch {case.batch}, input {case.input_len}[/]")
-            run_case(engine, case, probe, mm, weights)
+            run_case(engine, case, limits, weights)
         runs: dict[ModelCase, list[ModelResult]] = {case: [] for case in cases}
         for rep in range(repeats):
             if progress is not None:
                 progress.print(f"[dim]{name}: repetition {rep + 1} of {repeats} over {len(cases)} cases[/]")
             for case in cases:
-                runs[case].append(run_case(engine, case, probe, mm, weights, seed=1 + rep))
+                runs[case].append(run_case(engine, case, limits, weights, seed=1 + rep))
         results += [sorted(rs, key=lambda r: r.e2e_s)[len(rs) // 2] for rs in runs.values()]
     order = {c: i for i, c in enumerate(cases)}
     results.sort(key=lambda r: order[ModelCase(r.batch, r.input_len, r.output_len)])  # case by case (stable)
