@@ -109,16 +109,23 @@ class Checkpoint:
         """The tensor, memory-mapped from its shard (copy it before writing to it)."""
         return self._handle(name).get_tensor(name)
 
-    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read(self, name: str, out: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
         """The tensor, read with plain file reads into memory of its own (`out`, a contiguous tensor of its shape
         and dtype, if given). Unlike `get`, nothing stays memory-mapped: once the caller drops the tensor its
-        memory is free, so a loader that packs weights does not hold the checkpoint's pages as well."""
+        memory is free, so a loader that packs weights does not hold the checkpoint's pages as well.
+        index: read only tensor[index], one slice of dim 0 (one expert of a fused [E, ...] tensor)."""
         shard = self._file_of.get(name)
         if shard is None:
             raise CheckpointError(f"tensor {name!r} not found in checkpoint {self.path}")
         entry, data_start = self._header(shard)[name], self._header(shard)["__data_start__"]
         dtype, shape = _DTYPES[entry["dtype"]], tuple(entry["shape"])
         begin, end = entry["data_offsets"]
+        if index is not None:
+            if not shape or not 0 <= index < shape[0]:
+                raise CheckpointError(f"tensor {name!r} {list(shape)} has no slice {index} of dim 0")
+            row_bytes = (end - begin) // shape[0]
+            begin, shape = begin + index * row_bytes, shape[1:]
+            end = begin + row_bytes
         if out is None:
             out = torch.empty(shape, dtype=dtype)
         elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
