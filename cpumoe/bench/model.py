@@ -118,10 +118,8 @@ def weight_bytes(engine: LLMEngine) -> WeightBytes:
 
 
 def _kv_bytes_per_token(engine: LLMEngine) -> int:
-    c = engine.model.config
-    layers = c.num_hidden_layers
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * layers * c.num_key_value_heads * head_dim * engine.dtype.itemsize
+    return engine.kv_cache.layout.bytes_per_token(num_layers=engine.model.config.num_hidden_layers,
+                                                  dtype=engine.dtype)
 
 
 def experts_path(engine: LLMEngine) -> str:

@@ -18,7 +18,7 @@ import torch
 from cpumoe.engine.api import RequestOutput, SamplingParams
 from cpumoe.engine.config import EngineConfig
 from cpumoe.engine.detokenize import IncrementalDetokenizer
-from cpumoe.engine.kv_cache import KVCache
+from cpumoe.engine.kv_cache import KVCache, KVCacheLayout
 from cpumoe.engine.runner import ModelRunner
 from cpumoe.engine.sampling import make_generator
 from cpumoe.engine.scheduler import ScheduledBatch, Scheduler, Sequence
@@ -59,8 +59,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
-        shape = dict(num_layers=mc.num_hidden_layers, block_size=config.block_size,
-                     num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, dtype=self.dtype)
+        shape = dict(num_layers=mc.num_hidden_layers, block_size=config.block_size, layout=KVCacheLayout.of(mc),
+                     dtype=self.dtype)
         num_blocks = config.num_blocks or config.kv_cache_bytes // KVCache.bytes_per_block(**shape)
         capacity = num_blocks * config.block_size
         max_len = config.max_model_len or hf_config.get("max_position_embeddings") or capacity

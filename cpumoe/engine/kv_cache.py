@@ -1,5 +1,5 @@
-"""The paged KV cache: per layer K and V tensors [num_blocks, block_size, kv_heads, head_dim] in the model dtype,
-and the BlockManager that hands out their blocks to sequences.
+"""The paged KV cache: per layer K [num_blocks, block_size, kv_heads, k_dim] and V [.., kv_heads, v_dim] in the
+model dtype, as the model's KVCacheLayout says, and the BlockManager that hands out their blocks to sequences.
 
     sequence token p lives in block seq.block_table[p // block_size], offset p % block_size
     (slot = block * block_size + offset, the row in the cache viewed as [num_blocks * block_size, kv_heads, d])
@@ -7,23 +7,46 @@ and the BlockManager that hands out their blocks to sequences.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """What one token of one layer keeps in the cache: K [num_kv_heads, k_dim] and V [num_kv_heads, v_dim].
+    v_dim 0: no V (the layer reads its values out of K; MLA's latent cache). A model config declares its layout as
+    a `kv_cache_layout` attribute; without one, K and V are num_key_value_heads x head_dim (GQA)."""
+    num_kv_heads: int
+    k_dim: int
+    v_dim: int
+
+    @classmethod
+    def of(cls, config) -> "KVCacheLayout":
+        layout = getattr(config, "kv_cache_layout", None)
+        if layout is not None:
+            return layout
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(num_kv_heads=config.num_key_value_heads, k_dim=head_dim, v_dim=head_dim)
+
+    def bytes_per_token(self, *, num_layers: int, dtype: torch.dtype) -> int:
+        """K and V of one token over all layers."""
+        return num_layers * self.num_kv_heads * (self.k_dim + self.v_dim) * dtype.itemsize
+
+
 class KVCache:
-    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, layout: KVCacheLayout,
                  dtype: torch.dtype):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.num_blocks, self.block_size, self.layout = num_blocks, block_size, layout
+        k_shape = (num_blocks, block_size, layout.num_kv_heads, layout.k_dim)
+        v_shape = (num_blocks, block_size, layout.num_kv_heads, layout.v_dim)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(num_layers)]
+            (torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)) for _ in range(num_layers)]
 
     @staticmethod
-    def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    def bytes_per_block(*, num_layers: int, block_size: int, layout: KVCacheLayout, dtype: torch.dtype) -> int:
+        return block_size * layout.bytes_per_token(num_layers=num_layers, dtype=dtype)
 
 
 class HasBlockTable(Protocol):

@@ -4,7 +4,8 @@
 
 Where it departs from the shared decoder (moe_decoder.py), whose embedding, layer loop, final norm, forward and
 logits it reuses:
-- attention is multi-head latent attention (mla.py), with interleaved RoPE on the rope channels only;
+- attention is multi-head latent attention (mla.py), with interleaved RoPE on the rope channels only; the engine's
+  cache holds its compressed latent and rope key per token (config.kv_cache_layout), not per-head K and V;
 - layers l < first_k_dense_replace have a dense GatedMLP of intermediate_size, the others a DeepseekV2MoE:
   router in float32 -> softmax -> top-k ("greedy"), or top-k within the topk_group best of n_group groups, a
   group scored by its best expert ("group_limited_greedy") -> weights * routed_scaling_factor, never renormalized
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpumoe.engine.kv_cache import KVCacheLayout
 from cpumoe.layer import FusedMoE
 from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.models.blocks import AttentionContext, GatedMLP, MoEBlock, RMSNorm
@@ -60,14 +62,10 @@ class DeepseekV2Config:
     attention_bias: bool = False
     tie_word_embeddings: bool = False
 
-    # What the engine's KVCache reads: MLA caches every head's K and V, padded to one head_dim.
     @property
-    def num_key_value_heads(self) -> int:
-        return self.num_attention_heads
-
-    @property
-    def head_dim(self) -> int:
-        return max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """What the engine's KVCache holds per token and layer: MLA's latent and rope key, no per-head K or V."""
+        return MLAttention.cache_layout(self.kv_lora_rank, self.qk_rope_head_dim)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
@@ -143,8 +141,8 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.self_attn = MLAttention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
                                      q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
                                      qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
-                                     v_head_dim=c.v_head_dim, rope_theta=c.rope_theta, cache_head_dim=c.head_dim,
-                                     bias=c.attention_bias, rope_scaling=c.rope_scaling)
+                                     v_head_dim=c.v_head_dim, rope_theta=c.rope_theta, bias=c.attention_bias,
+                                     rope_scaling=c.rope_scaling)
         if c.is_moe_layer(layer):
             grouped = c.topk_method == "group_limited_greedy"
             self.mlp: nn.Module = DeepseekV2MoE(

@@ -12,21 +12,24 @@ and sin multiplied by that factor (so q_pe and k_pe both are; 1 for DeepSeek-V2,
 and, for any rope type but default with mscale_all_dim set, the softmax scale multiplied by
 yarn_mscale(factor, mscale_all_dim)^2 (transformers' yarn_apply_mscale).
 
-The paged cache holds the expanded per-head K and V (not the compressed latent): the simplest layout the engine's
-KVCache ([num_blocks, block_size, nkv, d], one d for K and V) takes. d = max(qk_head_dim, v_head_dim); the shorter
-of K, V is zero-padded to d, q likewise (zeros add nothing to q.k), and the output is sliced back to v_head_dim.
-This costs nh * 2d per token instead of MLA's kv_lora_rank + rope: caching the latent is a follow-up.
-Shapes: T tokens, nh heads, r qk_rope_head_dim, dqk = nope + r, dv v_head_dim, d the cache head_dim.
+The paged cache holds MLA's compressed form, one (c + r)-vector per token and layer shared by all heads: the normed
+latent and the rotated k_pe (KVCacheLayout(1, c + r, 0): no V tensor, the values are the latent itself), instead of
+every head's K and V. With W_UK [nh, nope, c] and W_UV [nh, dv, c] the halves of kv_b_proj,
+    q_nope . k_nope = q_nope . (W_UK latent) = (q_nope W_UK) . latent,    sum_t p_t v_t = W_UV (sum_t p_t latent_t)
+so decode absorbs W_UK into the query and W_UV into the output and attends over the cache as MQA with one
+(c + r)-dim key per token whose first c channels are also its value; a prefill chunk (more FLOPs per key that way)
+instead expands its context's K and V from the cached latent through kv_b_proj and calls SDPA, as transformers does.
+Shapes: T tokens, S decoding sequences, nh heads, c kv_lora_rank, r qk_rope_head_dim, nope qk_nope_head_dim,
+dqk = nope + r, dv v_head_dim, L cached tokens.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpumoe.models.blocks import AttentionContext, RMSNorm, paged_attention
+from cpumoe.engine.kv_cache import KVCacheLayout
+from cpumoe.models.blocks import AttentionContext, DecodeBatch, RMSNorm
 from cpumoe.models.rope import rope_parameters, rope_type, yarn_mscale
 
 # transformers builds q_a_layernorm / kv_a_layernorm with DeepseekV2RMSNorm's default eps, not rms_norm_eps
@@ -63,22 +66,42 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return out.flatten(-2).to(x.dtype)
 
 
+class LatentUpProjection(nn.Module):
+    """kv_b_proj: normed latent [.., c] -> per head [k_nope | v] [.., nh * (nope + dv)]; weight [nh * (nope + dv), c].
+    Not an nn.Linear on purpose: pack_linears would swap that for a packed copy without `.weight`, and decode needs
+    the weight's halves W_UK, W_UV as matrices to absorb them."""
+
+    def __init__(self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int, v_head_dim: int):
+        super().__init__()
+        self.num_heads, self.nope, self.v_head_dim = num_heads, qk_nope_head_dim, v_head_dim
+        self.weight = nn.Parameter(torch.empty(num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank))
+
+    def forward(self, latent: torch.Tensor) -> torch.Tensor:
+        return F.linear(latent, self.weight)
+
+    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [nh, nope, c] and W_UV [nh, dv, c], views of the weight."""
+        w = self.weight.view(self.num_heads, self.nope + self.v_head_dim, -1)  # [nh, nope + dv, c]
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
+
+
 class MLAttention(nn.Module):
     """forward(x [B, T, H], positions [T]): whole sequences, no cache; forward(x [T, H], positions, context, layer):
-    the engine's flat tokens, K/V into layer `layer` of the paged cache (see the module docstring)."""
+    the engine's flat tokens, their latent into layer `layer` of the paged cache (see the module docstring)."""
 
     def __init__(self, *, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float,
-                 cache_head_dim: int, bias: bool = False, rope_scaling: dict | None = None):
+                 bias: bool = False, rope_scaling: dict | None = None):
         super().__init__()
         if qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim={qk_rope_head_dim} must be even")
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
-        if cache_head_dim < max(self.qk_head_dim, v_head_dim):
-            raise ValueError(f"cache_head_dim={cache_head_dim} < max(qk_head_dim, v_head_dim)")
-        self.cache_head_dim, self.rope_theta, self.rope_scaling = cache_head_dim, rope_theta, rope_scaling
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         # plain float32 CPU tensor, not a buffer (built on the meta device; stays fp32)
         self.inv_freq, self.rope_attention_factor = rope_parameters(qk_rope_head_dim, rope_theta, rope_scaling)
         self.scaling = softmax_scale(self.qk_head_dim, rope_scaling)
@@ -91,50 +114,90 @@ class MLAttention(nn.Module):
         self.q_lora_rank = q_lora_rank
         self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.kv_b_proj = LatentUpProjection(kv_lora_rank, num_heads, qk_nope_head_dim, v_head_dim)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., T, H], positions [T] -> q, k [..., T, nh, dqk] (RoPE applied), v [..., T, nh, dv]."""
+    @staticmethod
+    def cache_layout(kv_lora_rank: int, qk_rope_head_dim: int) -> KVCacheLayout:
+        """One (latent | k_pe) vector per token and layer; no V."""
+        return KVCacheLayout(num_kv_heads=1, k_dim=kv_lora_rank + qk_rope_head_dim, v_dim=0)
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., T, H], positions [T] -> q_nope [..., T, nh, nope], q_pe [..., T, nh, r] (RoPE applied),
+        latent [..., T, c] (normed), k_pe [..., T, r] (RoPE applied)."""
         lead, nh = x.shape[:-1], self.num_heads
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(*lead, nh, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)  # [.., c], [.., r]
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(*lead, nh, self.nope + self.v_head_dim)
-        k_nope, v = kv.split([self.nope, self.v_head_dim], dim=-1)  # [..., T, nh, nope], [..., T, nh, dv]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor)  # [T, r/2]
         q_pe = apply_rotary_interleaved(q_pe, cos[:, None], sin[:, None])  # [..., T, nh, r]
         k_pe = apply_rotary_interleaved(k_pe, cos, sin)  # [..., T, r]
-        q = torch.cat((q_nope, q_pe), dim=-1)  # [..., T, nh, dqk]
-        k = torch.cat((k_nope, k_pe.unsqueeze(-2).expand(*lead, nh, self.rope)), dim=-1)  # [..., T, nh, dqk]
-        return q, k, v
+        return q_nope, q_pe, self.kv_a_layernorm(latent), k_pe
+
+    def _expand(self, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [..., L, c], k_pe [..., L, r] -> k [..., L, nh, dqk] (k_pe shared by the heads),
+        v [..., L, nh, dv]."""
+        lead, nh = latent.shape[:-1], self.num_heads
+        kv = self.kv_b_proj(latent).view(*lead, nh, self.nope + self.v_head_dim)
+        k_nope, v = kv.split([self.nope, self.v_head_dim], dim=-1)  # [..., L, nh, nope], [..., L, nh, dv]
+        k = torch.cat((k_nope, k_pe.unsqueeze(-2).expand(*lead, nh, self.rope)), dim=-1)  # [..., L, nh, dqk]
+        return k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, context: AttentionContext | None = None,
                 layer: int = 0) -> torch.Tensor:
         if context is not None:
             return self._forward_paged(x, positions, context, layer)
         B, T, _ = x.shape  # x [B, T, H], positions [T]
-        q, k, v = (t.transpose(1, 2) for t in self._qkv(x, positions))  # [B, nh, T, d*]
+        q_nope, q_pe, latent, k_pe = self._project(x, positions)
+        k, v = self._expand(latent, k_pe)  # [B, T, nh, dqk], [B, T, nh, dv]
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [B, T, nh, dqk]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, nh, T, d*]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)  # [B, nh, T, dv]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.v_head_dim))  # [B, T, H]
 
     def _forward_paged(self, x: torch.Tensor, positions: torch.Tensor, context: AttentionContext,
                        layer: int) -> torch.Tensor:  # x [T, H], positions [T]
-        T, nh, d = x.shape[0], self.num_heads, self.cache_head_dim
-        q, k, v = self._qkv(x, positions)  # [T, nh, dqk] x2, [T, nh, dv]
-        k_cache, v_cache = context.kv_caches[layer]  # [num_blocks, block_size, nh, d]
-        if k_cache.shape[-2:] != (nh, d):
-            raise ValueError(f"layer {layer}'s KV cache is [.., {k_cache.shape[-2]}, {k_cache.shape[-1]}], "
-                             f"MLA needs [.., num_heads={nh}, head_dim={d}]")
-        k_cache.view(-1, nh, d)[context.slot_mapping] = F.pad(k, (0, d - self.qk_head_dim)).to(k_cache.dtype)
-        v_cache.view(-1, nh, d)[context.slot_mapping] = F.pad(v, (0, d - self.v_head_dim)).to(v_cache.dtype)
-        q = F.pad(q, (0, d - self.qk_head_dim))  # [T, nh, d]
-        if self.scaling != d ** -0.5:  # paged_attention scales by d^-0.5: fold the difference (padding, yarn) into q
-            q = q * (self.scaling * math.sqrt(d))
-        out = paged_attention(q, k_cache, v_cache, context)[..., :self.v_head_dim]  # [T, nh, dv]
+        T, nh, c, width = x.shape[0], self.num_heads, self.kv_lora_rank, self.kv_lora_rank + self.rope
+        q_nope, q_pe, latent, k_pe = self._project(x, positions)  # [T, nh, nope], [T, nh, r], [T, c], [T, r]
+        cache = context.kv_caches[layer][0]  # [num_blocks, block_size, 1, c + r]
+        if cache.shape[-2:] != (1, width):
+            raise ValueError(f"layer {layer}'s KV cache is [.., {cache.shape[-2]}, {cache.shape[-1]}], MLA's latent "
+                             f"cache needs [.., 1, kv_lora_rank + qk_rope_head_dim = {width}]")
+        cache.view(-1, width)[context.slot_mapping] = torch.cat((latent, k_pe), dim=-1).to(cache.dtype)
+        out = x.new_empty(T, nh, self.v_head_dim)  # [T, nh, dv]
+        decode = context.decode_batch()
+        if decode is not None:
+            rows = slice(None) if decode.token_index is None else decode.token_index
+            out[rows] = self._decode(q_nope[rows], q_pe[rows], cache, decode)
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [T, nh, dqk]
+        start = 0
+        for q_len, ctx_len, blocks in zip(context.query_lens, context.context_lens, context.block_tables):
+            if q_len > 1:  # a prefill chunk: expand K/V for its whole context
+                ctx = cache[blocks].view(-1, width)[:ctx_len]  # [ctx, c + r]
+                k, v = self._expand(ctx[:, :c], ctx[:, c:])  # [ctx, nh, dqk], [ctx, nh, dv]
+                qi, k, v = (t.transpose(0, 1)[None] for t in (q[start:start + q_len], k, v))  # [1, nh, len, d*]
+                # query j sees keys up to ctx_len - q_len + j (bottom-right causal; plain causal for a whole prompt)
+                mask = None if q_len == ctx_len else torch.ones(q_len, ctx_len, dtype=torch.bool).tril(ctx_len - q_len)
+                o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling)
+                out[start:start + q_len] = o[0].transpose(0, 1)  # [q_len, nh, dv]
+            start += q_len
         return self.o_proj(out.reshape(T, nh * self.v_head_dim))  # [T, H]
+
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                batch: DecodeBatch) -> torch.Tensor:
+        """Absorbed MLA over the latent cache, one query per sequence: q_nope [S, nh, nope], q_pe [S, nh, r],
+        cache [num_blocks, block_size, 1, c + r] -> [S, nh, dv]. The absorptions run in the model dtype (as
+        kv_b_proj does in the expanded form); scores, softmax and the weighted sum of latents in float32."""
+        S, c = q_nope.shape[0], self.kv_lora_rank
+        w_uk, w_uv = self.kv_b_proj.absorbed()  # [nh, nope, c], [nh, dv, c]
+        q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [S, nh, c]
+        q = torch.cat((q_lat, q_pe), dim=-1).float() * self.scaling  # [S, nh, c + r]
+        kv = cache[batch.block_table].view(S, -1, c + self.rope).float()  # [S, L, c + r]
+        scores = torch.matmul(q, kv.transpose(1, 2))  # [S, nh, L]
+        scores.masked_fill_(~batch.valid.view(S, 1, -1), float("-inf"))
+        o_lat = torch.matmul(scores.softmax(dim=-1), kv[..., :c]).to(q_nope.dtype)  # [S, nh, c]
+        return torch.matmul(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [S, nh, dv]
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "
-                f"nope={self.nope}, rope={self.rope}, v={self.v_head_dim}, cache_head_dim={self.cache_head_dim}, "
-                f"rope_scaling={self.rope_scaling}")
+                f"nope={self.nope}, rope={self.rope}, v={self.v_head_dim}, rope_scaling={self.rope_scaling}")

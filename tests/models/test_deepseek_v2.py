@@ -16,10 +16,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from cpumoe.engine.kv_cache import KVCacheLayout  # noqa: E402
 from cpumoe.loader import Checkpoint, CheckpointError  # noqa: E402
 from cpumoe.models import MODELS, load_model  # noqa: E402
 from cpumoe.models.blocks import GatedMLP  # noqa: E402
-from cpumoe.models.deepseek_v2 import DeepseekV2MoE  # noqa: E402
+from cpumoe.models.deepseek_v2 import DeepseekV2Config, DeepseekV2MoE  # noqa: E402
 from tests.models.test_architectures import min_router_margin, rel_err  # noqa: E402
 from tests.models.tiny import spread_weights_  # noqa: E402
 
@@ -88,7 +89,7 @@ def test_registered_and_layers(pair):
     assert [type(layer.mlp) for layer in ours.model.layers] == [GatedMLP, DeepseekV2MoE, DeepseekV2MoE]
     assert ours.model.layers[1].mlp.shared_experts is not None
     c = ours.config
-    assert c.num_key_value_heads == 4 and c.head_dim == max(c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
+    assert c.kv_cache_layout == KVCacheLayout(num_kv_heads=1, k_dim=c.kv_lora_rank + c.qk_rope_head_dim, v_dim=0)
 
 
 def test_prefill_logits_match(pair):
@@ -124,13 +125,26 @@ def test_engine_greedy_matches_generate(pair, budget):
     assert out.new_token_ids == ref.tolist(), f"{name}, token budget {budget}"
 
 
-def test_engine_batch_of_two_matches_single(tmp_path):
+def test_latent_cache_bytes_v2_lite():
+    """DeepSeek-V2-Lite's shapes (27 layers, 16 heads, kv_lora_rank 512, rope 64, nope 128, v 128), bf16: the latent
+    cache keeps 576 values per token and layer, 31,104 bytes per token; per-head K and V padded to 192 took 331,776."""
+    c = DeepseekV2Config(vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+                         intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
+                         num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    latent = c.kv_cache_layout.bytes_per_token(num_layers=c.num_hidden_layers, dtype=torch.bfloat16)
+    expanded = 2 * c.num_hidden_layers * c.num_attention_heads * 192 * torch.bfloat16.itemsize
+    assert (latent, expanded) == (31_104, 331_776)
+
+
+@pytest.mark.parametrize("budget", [512, 4], ids=["whole-prompt", "chunks-of-4"])
+def test_engine_batch_of_two_matches_single(tmp_path, budget):
     """Two sequences of different lengths in one batch: the paged MLA cache keeps them apart."""
     name, path = "grouped-q-proj-v-wide", tmp_path
     tiny_model(**VARIANTS[name]).save_pretrained(path)
     prompts = [PROMPT[0].tolist(), PROMPT[0, :5].tolist()]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    config = EngineConfig(block_size=4, num_blocks=64)
+    config = EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=budget)  # 4: decodes beside chunks
     together = [o.new_token_ids for o in LLMEngine(path, config=config).generate(prompts, params)]
     alone = [LLMEngine(path, config=config).generate([p], params)[0].new_token_ids for p in prompts]
     assert together == alone, name
