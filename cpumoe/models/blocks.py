@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpumoe.layer import FusedMoE
+from cpumoe.models.prefill_attention import causal_attention
 from cpumoe.models.rope import rope_parameters
 
 
@@ -103,11 +104,15 @@ class DecodeBatch:
     token_index [S] long or None   their tokens' rows in the step's flat tokens (None: every row, in order)
     block_table [S, n] long        block tables padded (with block 0) to the longest
     valid [S, 1, 1, n * block_size] bool   key positions inside each sequence's context
+    lens [S] long                  context lengths (the query is the last token)
     """
     token_index: torch.Tensor | None
     block_table: torch.Tensor
     valid: torch.Tensor
     seq_rows: list[int]
+    lens: torch.Tensor
+    block_size: int
+    _windows: dict = field(default_factory=dict)  # sliding window -> its DecodeBatch (see windowed)
 
     @classmethod
     def build(cls, context: AttentionContext, rows: list[int]) -> "DecodeBatch":
@@ -123,14 +128,33 @@ class DecodeBatch:
         valid = torch.arange(n * block_size)[None, :] < lens[:, None]  # [S, L]
         all_rows = len(rows) == len(context.query_lens)
         index = None if all_rows else torch.tensor([starts[i] for i in rows], dtype=torch.long)
-        return cls(token_index=index, block_table=table, valid=valid[:, None, None, :], seq_rows=rows)
+        return cls(token_index=index, block_table=table, valid=valid[:, None, None, :], seq_rows=rows, lens=lens,
+                   block_size=block_size)
+
+    def windowed(self, window: int) -> "DecodeBatch":
+        """The same sequences over their last `window` keys only (sliding-window layers: the query at position
+        len - 1 sees keys len - window .. len - 1): block tables start at the block holding key len - window, so a
+        layer reads O(window) keys, not the whole context. Built once per step and window."""
+        if window not in self._windows:
+            bs = self.block_size
+            first = (self.lens - window).clamp(min=0) // bs  # [S] first block needed
+            n = int((-(-self.lens // bs) - first).max())  # blocks in the longest window
+            cols = (first[:, None] + torch.arange(n)[None, :]).clamp(max=self.block_table.shape[1] - 1)  # [S, n]
+            key_pos = first[:, None] * bs + torch.arange(n * bs)[None, :]  # [S, n * bs]
+            valid = (key_pos < self.lens[:, None]) & (key_pos >= self.lens[:, None] - window)
+            table = self.block_table.gather(1, cols)  # [S, n]
+            self._windows[window] = DecodeBatch(token_index=self.token_index, block_table=table,
+                                                valid=valid[:, None, None, :], seq_rows=self.seq_rows, lens=self.lens,
+                                                block_size=bs)
+        return self._windows[window]
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context, all sequences at once (GQA without repeating K/V).
     q [S, nh, d]; caches [num_blocks, block_size, nkv, d] -> [S, nh, d]. Scores, softmax and the weighted sum
-    in float32 (the context of one token is small; K/V are read once either way)."""
+    in float32 (the context of one token is small; K/V are read once either way). sinks [nh]: attention sinks,
+    a per-head logit in the softmax denominator that adds no value (gpt-oss)."""
     S, nh, d = q.shape
     nkv, dv = k_cache.shape[2], v_cache.shape[3]
     k = k_cache[batch.block_table].view(S, -1, nkv, d).transpose(1, 2).float()  # [S, nkv, L, d]
@@ -138,33 +162,47 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     qg = q.view(S, nkv, nh // nkv, d).float() * (d ** -0.5 if scale is None else scale)  # [S, nkv, g, d]
     scores = torch.matmul(qg, k.transpose(-1, -2))  # [S, nkv, g, L]
     scores.masked_fill_(~batch.valid, float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1), v)  # [S, nkv, g, dv]
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink = sinks.float().view(1, nkv, nh // nkv, 1).expand(S, -1, -1, -1)  # [S, nkv, g, 1]
+        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]  # the sink's share dropped
+    out = torch.matmul(probs, v)  # [S, nkv, g, dv]
     return out.view(S, nh, dv).to(q.dtype)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    context: AttentionContext) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: AttentionContext, *,
+                    sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Paged attention: all decoding sequences in one batched call (decode_attention); each prefill chunk gathers
     its cached K/V blocks and calls SDPA's fused CPU kernel (GQA without repeating K/V).
-    q [T, nh, d]; k_cache, v_cache [num_blocks, block_size, nkv, d] -> [T, nh, d]."""
+    q [T, nh, d]; k_cache, v_cache [num_blocks, block_size, nkv, d] -> [T, nh, d].
+    With sinks [nh] (a per-head logit in the softmax denominator that adds no value, gpt-oss) or a sliding window
+    (query at position p sees keys p - window < j <= p), decodes add the sink logit beside their scores and read only
+    the window's blocks (DecodeBatch.windowed), and prefill chunks run prefill_attention.causal_attention."""
     decode = context.decode_batch()
+    if decode is not None and sliding_window is not None:
+        decode = decode.windowed(sliding_window)
     if decode is not None and decode.token_index is None:
-        return decode_attention(q, k_cache, v_cache, decode)
+        return decode_attention(q, k_cache, v_cache, decode, sinks=sinks)
     out = torch.empty_like(q)
     if decode is not None:
-        out[decode.token_index] = decode_attention(q[decode.token_index], k_cache, v_cache, decode)
+        out[decode.token_index] = decode_attention(q[decode.token_index], k_cache, v_cache, decode, sinks=sinks)
     nh, nkv, d, dv = q.shape[1], k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
     start = 0
     for q_len, ctx_len, blocks in zip(context.query_lens, context.context_lens, context.block_tables):
         if q_len == 1:
             start += 1
             continue
+        # keys before k0 are outside every query's window (k0 = 0 without one)
+        k0 = 0 if sliding_window is None else max(0, ctx_len - q_len - sliding_window + 1)
         # 4-D inputs: SDPA's fused (flash) CPU kernel takes only [B, heads, L, d], GQA included; 3-D ones
         # fall back to the unfused math kernel (3.5x slower at 512 tokens)
-        k = k_cache[blocks].view(-1, nkv, d)[:ctx_len].transpose(0, 1)[None]  # [1, nkv, ctx, d]
-        v = v_cache[blocks].view(-1, nkv, dv)[:ctx_len].transpose(0, 1)[None]  # [1, nkv, ctx, dv]
+        k = k_cache[blocks].view(-1, nkv, d)[k0:ctx_len].transpose(0, 1)[None]  # [1, nkv, ctx - k0, d]
+        v = v_cache[blocks].view(-1, nkv, dv)[k0:ctx_len].transpose(0, 1)[None]  # [1, nkv, ctx - k0, dv]
         qi = q[start:start + q_len].transpose(0, 1)[None]  # [1, nh, q_len, d]
-        if q_len == ctx_len:  # a whole prompt at once
+        if sinks is not None or sliding_window is not None:  # the queries stay the last q_len of the keys kept
+            o = causal_attention(qi[0], k[0], v[0], sliding_window=sliding_window, sinks=sinks)[None]
+        elif q_len == ctx_len:  # a whole prompt at once
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, enable_gqa=nh != nkv)
         else:  # a later prefill chunk: query j sees keys up to ctx_len - q_len + j (bottom-right causal)
             mask = torch.ones(q_len, ctx_len, dtype=torch.bool).tril(diagonal=ctx_len - q_len)  # [q_len, ctx]
@@ -182,15 +220,17 @@ class QKNorm(Enum):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with optional q/k RMSNorm (QKNorm), q/k/v and o biases, and q/k/v clipping
-    (|x| <= clip_qkv after the norm, OLMoE). Two ways in:
+    """Causal grouped-query attention with optional q/k RMSNorm (QKNorm), q/k/v and o biases, q/k/v clipping
+    (|x| <= clip_qkv after the norm, OLMoE), attention sinks (`sinks` [nh], a learned per-head logit in the softmax
+    denominator, gpt-oss) and a sliding window (each query sees its last `sliding_window` keys). Two ways in:
     - forward(x [B, T, H], positions [T]): the whole sequence at once, no cache (reference / tests);
     - forward(x [T, H], positions, context=AttentionContext, layer=l): flat tokens of several sequences; the new
       K/V go into layer l's paged cache, and each sequence attends over its cached context."""
 
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope_theta: float,
                  qk_norm: QKNorm, norm_eps: float, qkv_bias: bool = False, o_bias: bool = False,
-                 clip_qkv: float | None = None, rope_scaling: dict | None = None):
+                 clip_qkv: float | None = None, rope_scaling: dict | None = None, sinks: bool = False,
+                 sliding_window: int | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
@@ -204,6 +244,8 @@ class Attention(nn.Module):
         self.q_norm = None if qk_norm == QKNorm.NONE else RMSNorm(q_dim, norm_eps)
         self.k_norm = None if qk_norm == QKNorm.NONE else RMSNorm(k_dim, norm_eps)
         self.rotary = RotaryEmbedding(head_dim, rope_theta, rope_scaling)
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # [nh]
+        self.sliding_window = sliding_window
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., H] -> q [..., nh, d], k and v [..., nkv, d], normed and clipped, before RoPE."""
@@ -228,7 +270,11 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in self._qkv(x))  # [B, heads, T, d]
         cos, sin = self.rotary(positions, x.dtype)  # [T, d]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, nh, T, d]
+        if self.sinks is None and self.sliding_window is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, nh, T, d]
+        else:
+            out = torch.stack([causal_attention(q[b], k[b], v[b], sliding_window=self.sliding_window, sinks=self.sinks)
+                               for b in range(B)])  # [B, nh, T, d]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))  # [B, T, H]
 
     def _forward_paged(self, x: torch.Tensor, positions: torch.Tensor, context: AttentionContext,
@@ -244,7 +290,8 @@ class Attention(nn.Module):
         k_cache, v_cache = context.kv_caches[layer]  # [num_blocks, block_size, nkv, d]
         k_cache.view(-1, self.num_kv_heads, self.head_dim)[context.slot_mapping] = k.to(k_cache.dtype)
         v_cache.view(-1, self.num_kv_heads, self.head_dim)[context.slot_mapping] = v.to(v_cache.dtype)
-        out = paged_attention(q, k_cache, v_cache, context)  # [T, nh, d]
+        out = paged_attention(q, k_cache, v_cache, context, sinks=self.sinks,
+                              sliding_window=self.sliding_window)  # [T, nh, d]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
 
