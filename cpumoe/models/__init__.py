@@ -6,10 +6,13 @@ Supported (model_type: examples), all one decoder (moe_decoder.py) under a per-a
     mixtral    Mixtral-8x7B, Mixtral-8x22B           block_sparse_moe w1/w3/w2; no sliding window
     olmoe      OLMoE-1B-7B                           q/k norm over the full projections, clip_qkv
     deepseek_v2  DeepSeek-V2, -V2-Lite (yarn RoPE)   MLA (mla.py), grouped routing: own layers, same forward
+    gpt_oss    gpt-oss-20b, gpt-oss-120b             attention sinks, sliding/full layers, biased router and experts,
+                                                     swigluoai; fused or MXFP4 experts (gpt_oss.py): own layers
 
     load_model(path) -> Checkpoint(path) -> MODELS[model_type] built on the meta device
                      -> every parameter <- the checkpoint tensor of its name
-                     -> every MoEBlock <- w13 / w2 stacked expert by expert (model.expert_weights) -> FusedMoE packs
+                     -> every MoEBlock <- w13 / w2 stacked expert by expert (model.expert_weights), or what
+                        model.experts_from_checkpoint reads (transposed, de-interleaved, dequantized) -> FusedMoE packs
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from torch import nn
 from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.models.blocks import ExpertWeights, MoEBlock
 from cpumoe.models.deepseek_v2 import DeepseekV2ForCausalLM
+from cpumoe.models.gpt_oss import GptOssForCausalLM
 from cpumoe.models.mixtral import MixtralForCausalLM
 from cpumoe.models.moe_decoder import MoeDecoderForCausalLM
 from cpumoe.models.olmoe import OlmoeForCausalLM
@@ -30,6 +34,7 @@ from cpumoe.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[MoeDecoderForCausalLM]] = {
     "deepseek_v2": DeepseekV2ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
     "mixtral": MixtralForCausalLM,
     "olmoe": OlmoeForCausalLM,
     "qwen2_moe": Qwen2MoeForCausalLM,
@@ -61,7 +66,10 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, backend: str 
 def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None:
     """Memory: tensors are read with file reads (Checkpoint.read), not memory-mapped, so the checkpoint's pages are
     never resident beside the model; per-expert checkpoints are read and packed one expert at a time (peak: the
-    model + one expert), fused ones ([E, rows, cols] tensors) one layer at a time."""
+    model + one expert), fused ones ([E, rows, cols] tensors) one layer at a time. A model whose experts need more
+    than stacking (gpt-oss: transposed, gate/up de-interleaved, MXFP4 dequantized, with biases) defines
+    experts_from_checkpoint(ckpt, prefix, block, dtype) -> the block's load_experts arguments, an expert_reader
+    among them (one expert at a time)."""
     for name, param in list(model.named_parameters()):
         tensor = _read(ckpt, name, tuple(param.shape))
         module_name, _, attr = name.rpartition(".")
@@ -69,8 +77,12 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None
         setattr(module, attr, nn.Parameter(tensor.to(dtype).contiguous(), requires_grad=False))
         del tensor
     specs = model.expert_weights
+    experts_from_checkpoint = getattr(model, "experts_from_checkpoint", None)
     for prefix, block in model.named_modules():
         if not isinstance(block, MoEBlock):
+            continue
+        if experts_from_checkpoint is not None:
+            block.load_experts(**experts_from_checkpoint(ckpt, prefix, block, dtype))
             continue
         shapes = block.expert_shapes
         if any(spec.fused is not None and f"{prefix}.{spec.fused}" in ckpt for spec in specs.values()):
