@@ -174,11 +174,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: AttentionContext, *,
                     sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Paged attention: all decoding sequences in one batched call (decode_attention); each prefill chunk gathers
-    its cached K/V blocks and calls SDPA's fused CPU kernel (GQA without repeating K/V).
+    its cached K/V blocks and runs prefill_attention.causal_attention (blocked causal GEMMs, GQA without repeating
+    K/V; 2x SDPA's fused CPU kernel at 512 tokens).
     q [T, nh, d]; k_cache, v_cache [num_blocks, block_size, nkv, d] -> [T, nh, d].
     With sinks [nh] (a per-head logit in the softmax denominator that adds no value, gpt-oss) or a sliding window
     (query at position p sees keys p - window < j <= p), decodes add the sink logit beside their scores and read only
-    the window's blocks (DecodeBatch.windowed), and prefill chunks run prefill_attention.causal_attention."""
+    the window's blocks (DecodeBatch.windowed), and prefill chunks read only the keys some query sees."""
     decode = context.decode_batch()
     if decode is not None and sliding_window is not None:
         decode = decode.windowed(sliding_window)
@@ -195,19 +196,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             continue
         # keys before k0 are outside every query's window (k0 = 0 without one)
         k0 = 0 if sliding_window is None else max(0, ctx_len - q_len - sliding_window + 1)
-        # 4-D inputs: SDPA's fused (flash) CPU kernel takes only [B, heads, L, d], GQA included; 3-D ones
-        # fall back to the unfused math kernel (3.5x slower at 512 tokens)
-        k = k_cache[blocks].view(-1, nkv, d)[k0:ctx_len].transpose(0, 1)[None]  # [1, nkv, ctx - k0, d]
-        v = v_cache[blocks].view(-1, nkv, dv)[k0:ctx_len].transpose(0, 1)[None]  # [1, nkv, ctx - k0, dv]
-        qi = q[start:start + q_len].transpose(0, 1)[None]  # [1, nh, q_len, d]
-        if sinks is not None or sliding_window is not None:  # the queries stay the last q_len of the keys kept
-            o = causal_attention(qi[0], k[0], v[0], sliding_window=sliding_window, sinks=sinks)[None]
-        elif q_len == ctx_len:  # a whole prompt at once
-            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, enable_gqa=nh != nkv)
-        else:  # a later prefill chunk: query j sees keys up to ctx_len - q_len + j (bottom-right causal)
-            mask = torch.ones(q_len, ctx_len, dtype=torch.bool).tril(diagonal=ctx_len - q_len)  # [q_len, ctx]
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, enable_gqa=nh != nkv)
-        out[start:start + q_len] = o[0].transpose(0, 1)  # [q_len, nh, dv]
+        k = k_cache[blocks].view(-1, nkv, d)[k0:ctx_len].transpose(0, 1)  # [nkv, ctx - k0, d]
+        v = v_cache[blocks].view(-1, nkv, dv)[k0:ctx_len].transpose(0, 1)  # [nkv, ctx - k0, dv]
+        # the queries are the last q_len of the keys kept (bottom-right causal)
+        o = causal_attention(q[start:start + q_len].transpose(0, 1), k, v, sliding_window=sliding_window,
+                             sinks=sinks)  # [nh, q_len, dv]
+        out[start:start + q_len] = o.transpose(0, 1)  # [q_len, nh, dv]
         start += q_len
     return out
 
