@@ -8,8 +8,11 @@
       decode     median time of the steps where every request decodes: tokens/s, and bytes read per step
                  (dense weights + the expected distinct experts of B tokens + KV cache) / time, against a
                  1 GiB streaming-read probe taken right before the case
-      prefill    2 FLOPs per active weight per prompt token / (time to the last first token), against a
-                 torch.mm of 4096^3 in the model dtype taken right before the case (both attention excluded)
+      prefill    2 FLOPs per active weight per prompt token, the lm_head once per prompt (attention's FLOPs not
+                 counted) / (time to the last first token), against a torch.mm of 4096^3 in the model dtype
+                 taken right before the case
+      memory     peak RSS while loading and while serving each case, against the checkpoint's size (+ KV cache)
+      scaling    decode tokens/s at batch B over batch 1, beside the bound of the weight bytes each step reads
 With `--compare naive` a second engine runs the experts on the naive path, after the first one's cases and with
 the first engine freed, so each engine's load peak and serving peak are its own.
 Peak RSS: VmHWM of /proc/self/status, reset (clear_refs) before each load and each case; ru_maxrss where
@@ -79,6 +82,7 @@ class WeightBytes:
     experts: int          # E
     top_k: int
     kv_per_token: int     # bytes of K and V of one token, all layers
+    head_elems: int = 0   # the lm_head's (in dense_elems): a prefill computes it for the last token only
 
     @property
     def dense(self) -> int:
@@ -100,6 +104,10 @@ class WeightBytes:
         """Weights one token multiplies: dense ones and k experts per MoE layer (in elements)."""
         return self.dense_elems + self.moe_layers * self.top_k * self.expert_elems
 
+    def prefill_flops(self, batch: int, input_len: int) -> float:
+        """2 FLOPs per active weight per prompt token, the lm_head once per prompt (only its last token's logits)."""
+        return 2.0 * batch * ((self.active_weights() - self.head_elems) * input_len + self.head_elems)
+
 
 def weight_bytes(engine: LLMEngine) -> WeightBytes:
     model = engine.model
@@ -114,7 +122,8 @@ def weight_bytes(engine: LLMEngine) -> WeightBytes:
     b = blocks[0]
     return WeightBytes(dense_elems=dense_elems, expert_elems=3 * b.hidden_size * b.inter_size,
                        element_size=embed.element_size(), moe_layers=len(blocks), experts=b.num_experts,
-                       top_k=b.top_k, kv_per_token=_kv_bytes_per_token(engine))
+                       top_k=b.top_k, kv_per_token=_kv_bytes_per_token(engine),
+                       head_elems=model.config.vocab_size * model.config.hidden_size)
 
 
 def _kv_bytes_per_token(engine: LLMEngine) -> int:
@@ -184,7 +193,7 @@ def run_case(engine: LLMEngine, case: ModelCase, limits: MachineLimits, weights:
     decode_s = statistics.median(decode_steps) if decode_steps else float("nan")
     step_bytes = weights.decode_step_bytes(case.batch, statistics.mean(contexts) if contexts else case.input_len)
     decode_gbs = step_bytes / decode_s / 1e9
-    prefill_gflops = 2 * weights.active_weights() * case.batch * case.input_len / prefill_s / 1e9
+    prefill_gflops = weights.prefill_flops(case.batch, case.input_len) / prefill_s / 1e9
     return ModelResult(
         path=experts_path(engine), batch=case.batch, input_len=case.input_len, output_len=case.output_len,
         ttft_ms=ttft * 1e3,
@@ -222,7 +231,7 @@ def engine_config(cases: Sequence[ModelCase], block_size: int = 16) -> EngineCon
     blocks = max(c.batch * -(-(c.input_len + c.output_len) // block_size) for c in cases)
     return EngineConfig(block_size=block_size, num_blocks=blocks + max(c.batch for c in cases),
                         max_num_seqs=max(c.batch for c in cases),
-                        max_num_batched_tokens=max(2048, max(c.input_len for c in cases)),
+                        max_num_batched_tokens=max(1024, max(c.input_len for c in cases)),
                         max_model_len=max(c.input_len + c.output_len for c in cases))
 
 

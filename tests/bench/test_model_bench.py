@@ -28,6 +28,8 @@ def test_bench_model_json(tmp_path, capsys):
         assert r["ttft_ms"] > 0 and r["itl_ms"] > 0 and r["throughput_tok_s"] > 0, r
         assert r["decode_gbs"] > 0 and r["prefill_gflops"] > 0 and r["peak_rss_gb"] > 0, r
     assert report["weights"]["moe_layers"] == 2 and report["weights"]["experts"] == 4
+    w = report["weights"]
+    assert w["head_elems"] == 400 * load_model(path).config.hidden_size  # the untied lm_head [V, H]
     files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     assert report["checkpoint_gb"] == pytest.approx(files / 1e9)
     # batch 3 against batch 1, per path; 4 experts top-2: 3 tokens read ~3.6 of them, 1 token 2
