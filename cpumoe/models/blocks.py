@@ -77,7 +77,9 @@ class AttentionContext:
     positions [T] long            position of each new token in its sequence (RoPE)
     slot_mapping [T] long         where each new token's K/V goes: block * block_size + offset
     block_tables list of [n_i] long  sequence i's cache blocks, in order (n_i * block_size >= context_lens[i])
-    kv_caches                     per layer (k, v), each [num_blocks, block_size, nkv, d] in the model dtype
+    kv_caches                     per layer (k, v): [num_blocks, block_size, nkv, k_dim] and [..., nkv, v_dim] in
+                                  the model dtype, as the model's KVCacheLayout says (GQA: k_dim = v_dim = d;
+                                  MLA's latent cache: one "head" of kv_lora_rank + rope dims and an empty V)
     cache                         per-step values every layer shares (rotary cos/sin, the decode block table),
                                   built by the first layer that needs them
     """
