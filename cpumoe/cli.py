@@ -20,6 +20,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from cpumoe.engine.config import EngineConfig
+
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
 DEFAULT_PRESET = "qwen3-30b-a3b"
@@ -308,6 +310,14 @@ def _add_serve(commands) -> None:
     p.add_argument("--max-model-len", type=int, help="context length: prompt + generated tokens (default: the "
                                                     "model's)")
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: the engine's)")
+    defaults = EngineConfig()
+    p.add_argument("--kv-cache-gb", type=float, default=round(defaults.kv_cache_bytes / 1e9, 2),
+                   help=f"KV cache size in GB, all layers (default {defaults.kv_cache_bytes / 1e9:.2f})")
+    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                   help=f"requests running at once, at most (default {defaults.max_num_seqs})")
+    p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                   help=f"tokens one engine step runs (decodes + prefill chunks; default "
+                        f"{defaults.max_num_batched_tokens})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_cmd_serve)
 
@@ -318,13 +328,12 @@ def _cmd_serve(args) -> int:
     if args.max_model_len is not None and args.max_model_len < 2:
         sys.exit(f"cpumoe serve: error: --max-model-len must be at least 2, got {args.max_model_len}")
     from cpumoe.engine.async_engine import AsyncEngine
-    from cpumoe.engine.config import EngineConfig
     from cpumoe.server import serve
 
     try:
-        engine = AsyncEngine.from_path(args.model, dtype=args.dtype,
-                                       config=EngineConfig(max_model_len=args.max_model_len),
-                                       model_name=args.served_model_name)
+        config = EngineConfig(max_model_len=args.max_model_len, kv_cache_bytes=max(1, int(args.kv_cache_gb * 1e9)),
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        engine = AsyncEngine.from_path(args.model, dtype=args.dtype, config=config, model_name=args.served_model_name)
     except (OSError, ValueError) as e:   # no such checkpoint, a config the engine rejects
         sys.exit(f"cpumoe serve: error: {e}")
     serve(engine, args.host, args.port, api_key=args.api_key, log_level=args.log_level)

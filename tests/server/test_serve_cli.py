@@ -1,0 +1,67 @@
+"""`cpumoe serve` as a user starts it: a subprocess on a synthetic checkpoint, with the engine-sizing flags, answering
+the official openai client, refusing a bad request with a 4xx and serving on; bad flags exit with a clear error."""
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from cpumoe.cli import main  # noqa: E402
+from cpumoe.synthetic.checkpoint import make_checkpoint, tiny_overrides  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint("qwen3-30b-a3b", tmp_path_factory.mktemp("serve_cli"), layers=2, vocab=400,
+                           dtype=torch.bfloat16, overrides=tiny_overrides("qwen3-30b-a3b"))
+
+
+def test_serve_subprocess(checkpoint):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cpumoe", "serve", str(checkpoint), "--port", str(port),
+                             "--kv-cache-gb", "0.05", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                             "--served-model-name", "tiny", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"cpumoe serve exited: {proc.stdout.read()}"
+            assert time.monotonic() < deadline, "cpumoe serve did not come up in 120 s"
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        done = client.completions.create(model="tiny", prompt="Hello there", max_tokens=5, temperature=0)
+        assert done.usage.completion_tokens == 5 and done.choices[0].finish_reason == "length"
+        bad = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 0})
+        assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+        again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=3)
+        assert again.usage.completion_tokens == 3
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize("flag,value", [("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-1"),
+                                        ("--kv-cache-gb", "0")])
+def test_serve_rejects_bad_engine_flags(checkpoint, flag, value):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", str(checkpoint), "--port", "8000", flag, value])
+    message = str(info.value.code)
+    assert message.startswith("cpumoe serve: error:") and flag.removeprefix("--").replace("-", "_")[:8] in message
