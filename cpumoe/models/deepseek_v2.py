@@ -33,6 +33,9 @@ from cpumoe.models.moe_decoder import ArchSpec, MoeDecoderForCausalLM, MoeDecode
 from cpumoe.models.rope import rope_from_config
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
+# config.json fields read with a default when absent; DeepSeek-V3 passes its own (transformers' DeepseekV3Config's)
+DEFAULTS = dict(n_routed_experts=0, n_shared_experts=0, first_k_dense_replace=0, q_lora_rank=None,
+                topk_method="greedy", n_group=None, topk_group=None, routed_scaling_factor=1.0)
 
 
 @dataclass(slots=True)
@@ -61,6 +64,7 @@ class DeepseekV2Config:
     rope_scaling: dict | None = None  # rope.rope_from_config's normalized dict; None: default RoPE
     attention_bias: bool = False
     tie_word_embeddings: bool = False
+    rope_interleave: bool = True  # RoPE on pairs (x[2i], x[2i+1]); DeepSeek-V3's config may say halves (False)
 
     @property
     def kv_cache_layout(self) -> KVCacheLayout:
@@ -70,53 +74,72 @@ class DeepseekV2Config:
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
 
+    def moe_block(self, backend: str) -> MoEBlock:
+        """The MLP of a MoE layer (DeepSeek-V3's config builds its own router here)."""
+        grouped = self.topk_method == "group_limited_greedy"
+        return DeepseekV2MoE(
+            hidden_size=self.hidden_size, num_experts=self.n_routed_experts, inter_size=self.moe_intermediate_size,
+            top_k=self.num_experts_per_tok, shared_inter_size=self.moe_intermediate_size * self.n_shared_experts,
+            num_expert_group=self.n_group if grouped else None, topk_group=self.topk_group if grouped else None,
+            routed_scaling_factor=self.routed_scaling_factor, backend=backend)
+
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> "DeepseekV2Config":
-        get = ckpt.config_get
-        if (act := get("hidden_act", default="silu")) != "silu":
-            raise CheckpointError(f"{ckpt.path}: hidden_act {act!r} is not supported (silu only)")
-        if get("mlp_bias", default=False):
-            raise CheckpointError(f"{ckpt.path}: mlp_bias is not supported")
-        try:
-            rope_theta, rope_scaling = rope_from_config(ckpt.config)
-        except ValueError as e:
-            raise CheckpointError(f"{ckpt.path}: {e}") from None
-        method = get("topk_method", default="greedy") or "greedy"
-        if method not in TOPK_METHODS:
-            raise CheckpointError(f"{ckpt.path}: topk_method {method!r} is not supported; expected one of "
-                                  f"{TOPK_METHODS}")
-        return cls(
-            vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), num_hidden_layers=get("num_hidden_layers"),
-            num_attention_heads=get("num_attention_heads"), intermediate_size=get("intermediate_size"),
-            moe_intermediate_size=get("moe_intermediate_size"), n_routed_experts=get("n_routed_experts", default=0) or 0,
-            num_experts_per_tok=get("num_experts_per_tok"), n_shared_experts=get("n_shared_experts", default=0) or 0,
-            first_k_dense_replace=get("first_k_dense_replace", default=0), kv_lora_rank=get("kv_lora_rank"),
-            q_lora_rank=get("q_lora_rank", default=None), qk_nope_head_dim=get("qk_nope_head_dim"),
-            qk_rope_head_dim=get("qk_rope_head_dim"), v_head_dim=get("v_head_dim"), topk_method=method,
-            n_group=get("n_group", default=None), topk_group=get("topk_group", default=None),
-            routed_scaling_factor=get("routed_scaling_factor", default=1.0),
-            rms_norm_eps=get("rms_norm_eps", default=1e-6),
-            rope_theta=rope_theta, rope_scaling=rope_scaling,
-            attention_bias=bool(get("attention_bias", default=False)),
-            tie_word_embeddings=get("tie_word_embeddings", default=False),
-        )
+        return cls(**config_fields(ckpt, TOPK_METHODS, DEFAULTS))
+
+
+def config_fields(ckpt: Checkpoint, topk_methods: tuple[str, ...], defaults: dict) -> dict:
+    """DeepseekV2Config's fields from config.json (shared with DeepSeek-V3): topk_method must be one of topk_methods;
+    `defaults` hold the values of the DEFAULTS fields when config.json does not have them."""
+    get = ckpt.config_get
+    d = defaults
+    if (act := get("hidden_act", default="silu")) != "silu":
+        raise CheckpointError(f"{ckpt.path}: hidden_act {act!r} is not supported (silu only)")
+    if get("mlp_bias", default=False):
+        raise CheckpointError(f"{ckpt.path}: mlp_bias is not supported")
+    try:
+        rope_theta, rope_scaling = rope_from_config(ckpt.config)
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt.path}: {e}") from None
+    method = get("topk_method", default=d["topk_method"]) or d["topk_method"]
+    if method not in topk_methods:
+        raise CheckpointError(f"{ckpt.path}: topk_method {method!r} is not supported; expected one of {topk_methods}")
+    return dict(
+        vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), num_hidden_layers=get("num_hidden_layers"),
+        num_attention_heads=get("num_attention_heads"), intermediate_size=get("intermediate_size"),
+        moe_intermediate_size=get("moe_intermediate_size"),
+        n_routed_experts=get("n_routed_experts", default=d["n_routed_experts"]) or 0,
+        num_experts_per_tok=get("num_experts_per_tok"),
+        n_shared_experts=get("n_shared_experts", default=d["n_shared_experts"]) or 0,
+        first_k_dense_replace=get("first_k_dense_replace", default=d["first_k_dense_replace"]),
+        kv_lora_rank=get("kv_lora_rank"), q_lora_rank=get("q_lora_rank", default=d["q_lora_rank"]),
+        qk_nope_head_dim=get("qk_nope_head_dim"), qk_rope_head_dim=get("qk_rope_head_dim"),
+        v_head_dim=get("v_head_dim"), topk_method=method, n_group=get("n_group", default=d["n_group"]),
+        topk_group=get("topk_group", default=d["topk_group"]),
+        routed_scaling_factor=get("routed_scaling_factor", default=d["routed_scaling_factor"]),
+        rms_norm_eps=get("rms_norm_eps", default=1e-6),
+        rope_theta=rope_theta, rope_scaling=rope_scaling,
+        attention_bias=bool(get("attention_bias", default=False)),
+        tie_word_embeddings=get("tie_word_embeddings", default=False),
+    )
 
 
 class DeepseekV2MoE(MoEBlock):
     """MoEBlock with DeepSeek-V2's router (float32 logits, optional group-limited top-k, scaled, not renormalized)
-    and an ungated shared MLP `shared_experts` (checkpoint names mlp.gate / mlp.experts.{e} / mlp.shared_experts)."""
+    and an ungated shared MLP `shared_experts` (checkpoint names mlp.gate / mlp.experts.{e} / mlp.shared_experts).
+    scoring and renormalize are for DeepSeek-V3's subclass (sigmoid; renormalized when norm_topk_prob)."""
 
     def __init__(self, *, hidden_size: int, num_experts: int, inter_size: int, top_k: int, shared_inter_size: int,
                  num_expert_group: int | None, topk_group: int | None, routed_scaling_factor: float,
-                 backend: str = "auto"):
+                 scoring: str = "softmax", renormalize: bool = False, backend: str = "auto"):
         super().__init__(hidden_size=hidden_size, num_experts=num_experts, inter_size=inter_size, top_k=top_k,
-                         renormalize=False, backend=backend)
+                         renormalize=renormalize, backend=backend)
         self.shared_experts = GatedMLP(hidden_size, shared_inter_size) if shared_inter_size else None
-        self.routing = dict(scoring="softmax", num_expert_group=num_expert_group, topk_group=topk_group,
+        self.routing = dict(scoring=scoring, num_expert_group=num_expert_group, topk_group=topk_group,
                             routed_scaling_factor=routed_scaling_factor)
 
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, expert_reader=None) -> None:  # see MoEBlock
-        self.experts = FusedMoE(w13, w2, top_k=self.top_k, renormalize=False, backend=self.backend,
+        self.experts = FusedMoE(w13, w2, top_k=self.top_k, renormalize=self.renormalize, backend=self.backend,
                                 expert_reader=expert_reader, **self.routing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H]
@@ -130,7 +153,7 @@ class DeepseekV2MoE(MoEBlock):
         return out.view(x.shape)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.routing.items())
+        return ", ".join(f"{k}={v}" for k, v in {**self.routing, "renormalize": self.renormalize}.items())
 
 
 class DeepseekV2DecoderLayer(nn.Module):
@@ -142,14 +165,9 @@ class DeepseekV2DecoderLayer(nn.Module):
                                      q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
                                      qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
                                      v_head_dim=c.v_head_dim, rope_theta=c.rope_theta, bias=c.attention_bias,
-                                     rope_scaling=c.rope_scaling)
+                                     rope_scaling=c.rope_scaling, rope_interleave=c.rope_interleave)
         if c.is_moe_layer(layer):
-            grouped = c.topk_method == "group_limited_greedy"
-            self.mlp: nn.Module = DeepseekV2MoE(
-                hidden_size=c.hidden_size, num_experts=c.n_routed_experts, inter_size=c.moe_intermediate_size,
-                top_k=c.num_experts_per_tok, shared_inter_size=c.moe_intermediate_size * c.n_shared_experts,
-                num_expert_group=c.n_group if grouped else None, topk_group=c.topk_group if grouped else None,
-                routed_scaling_factor=c.routed_scaling_factor, backend=backend)
+            self.mlp: nn.Module = c.moe_block(backend)
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)

@@ -1,9 +1,11 @@
-"""Multi-head latent attention (MLA, DeepSeek-V2), numerics as transformers' DeepseekV2Attention.
+"""Multi-head latent attention (MLA, DeepSeek-V2 and V3), numerics as transformers' DeepseekV2Attention (and
+DeepseekV3Attention, which rotates in the model dtype where this rotates in float32: the same in fp32).
 
     x -> q_proj                                  (q_lora_rank None)
       |  q_a_proj -> q_a_layernorm -> q_b_proj    (q_lora_rank set)      -> q [.., nh, nope + rope]
     x -> kv_a_proj_with_mqa -> [latent c, k_pe]; kv_b_proj(kv_a_layernorm(c)) -> [k_nope, v] per head
-    RoPE on the rope parts only (q_pe per head, k_pe shared by all heads), interleaved pairs (x[2i], x[2i+1])
+    RoPE on the rope parts only (q_pe per head, k_pe shared by all heads), on interleaved pairs (x[2i], x[2i+1]),
+    or, with rope_interleave False (a DeepSeek-V3 config option), on the halves' pairs (x[i], x[i + r/2])
     k = [k_nope | k_pe], attention with scale (nope + rope)^-0.5, o_proj over nh * v_head_dim.
 
 RoPE: default or scaled (rope.py; the published DeepSeek-V2 checkpoints use yarn), as transformers 5.24's
@@ -59,11 +61,19 @@ def softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the pairs (x[2i], x[2i+1]) by angle i, in float32 (transformers' complex multiply); x [..., r],
-    cos and sin broadcastable to [..., r/2]."""
+    cos and sin broadcastable to [..., r/2]. transformers' DeepseekV3 writes the rotated pairs de-interleaved
+    (evens, then odds); q_pe and k_pe share the order, so q . k is the same."""
     xf = x.float().unflatten(-1, (-1, 2))  # [..., r/2, 2]
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # [..., r/2, 2]
     return out.flatten(-2).to(x.dtype)
+
+
+def apply_rotary_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (x[i], x[i + r/2]) by angle i, in float32 (rotate_half, as Llama); x [..., r], cos and sin
+    broadcastable to [..., r/2]."""
+    x0, x1 = x.float().chunk(2, dim=-1)  # [..., r/2] each
+    return torch.cat((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).to(x.dtype)
 
 
 class LatentUpProjection(nn.Module):
@@ -94,7 +104,7 @@ class MLAttention(nn.Module):
 
     def __init__(self, *, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float,
-                 bias: bool = False, rope_scaling: dict | None = None):
+                 bias: bool = False, rope_scaling: dict | None = None, rope_interleave: bool = True):
         super().__init__()
         if qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim={qk_rope_head_dim} must be even")
@@ -102,6 +112,8 @@ class MLAttention(nn.Module):
         self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.rope_interleave = rope_interleave
+        self._rotate = apply_rotary_interleaved if rope_interleave else apply_rotary_halves
         # plain float32 CPU tensor, not a buffer (built on the meta device; stays fp32)
         self.inv_freq, self.rope_attention_factor = rope_parameters(qk_rope_head_dim, rope_theta, rope_scaling)
         self.scaling = softmax_scale(self.qk_head_dim, rope_scaling)
@@ -130,8 +142,8 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(*lead, nh, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)  # [.., c], [.., r]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor)  # [T, r/2]
-        q_pe = apply_rotary_interleaved(q_pe, cos[:, None], sin[:, None])  # [..., T, nh, r]
-        k_pe = apply_rotary_interleaved(k_pe, cos, sin)  # [..., T, r]
+        q_pe = self._rotate(q_pe, cos[:, None], sin[:, None])  # [..., T, nh, r]
+        k_pe = self._rotate(k_pe, cos, sin)  # [..., T, r]
         return q_nope, q_pe, self.kv_a_layernorm(latent), k_pe
 
     def _expand(self, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,4 +212,5 @@ class MLAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "
-                f"nope={self.nope}, rope={self.rope}, v={self.v_head_dim}, rope_scaling={self.rope_scaling}")
+                f"nope={self.nope}, rope={self.rope}, v={self.v_head_dim}, rope_scaling={self.rope_scaling}"
+                + ("" if self.rope_interleave else ", rope_interleave=False"))
