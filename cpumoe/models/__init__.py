@@ -6,11 +6,14 @@ Supported (model_type: examples), all one decoder (moe_decoder.py) under a per-a
     mixtral    Mixtral-8x7B, Mixtral-8x22B           block_sparse_moe w1/w3/w2; no sliding window
     olmoe      OLMoE-1B-7B                           q/k norm over the full projections, clip_qkv
     deepseek_v2  DeepSeek-V2, -V2-Lite (yarn RoPE)   MLA (mla.py), grouped routing: own layers, same forward
+    deepseek_v3  DeepSeek-V3, -R1, Moonlight         DeepSeek-V2's model with a sigmoid router, correction bias and
+                                                     grouped top-k (deepseek_v3.py; router kept in float32)
     gpt_oss    gpt-oss-20b, gpt-oss-120b             attention sinks, sliding/full layers, biased router and experts,
                                                      swigluoai; fused or MXFP4 experts (gpt_oss.py): own layers
 
     load_model(path) -> Checkpoint(path) -> MODELS[model_type] built on the meta device
-                     -> every parameter <- the checkpoint tensor of its name
+                     -> every parameter <- the checkpoint tensor of its name, in the model dtype (float32 where the
+                        name ends in one of model.fp32_parameters: routers transformers keeps in float32)
                      -> every MoEBlock <- w13 / w2 stacked expert by expert (model.expert_weights), or what
                         model.experts_from_checkpoint reads (transposed, de-interleaved, dequantized) -> FusedMoE packs
 """
@@ -24,6 +27,7 @@ from torch import nn
 from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.models.blocks import ExpertWeights, MoEBlock
 from cpumoe.models.deepseek_v2 import DeepseekV2ForCausalLM
+from cpumoe.models.deepseek_v3 import DeepseekV3ForCausalLM
 from cpumoe.models.gpt_oss import GptOssForCausalLM
 from cpumoe.models.mixtral import MixtralForCausalLM
 from cpumoe.models.moe_decoder import MoeDecoderForCausalLM
@@ -34,6 +38,7 @@ from cpumoe.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[MoeDecoderForCausalLM]] = {
     "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "mixtral": MixtralForCausalLM,
     "olmoe": OlmoeForCausalLM,
@@ -70,11 +75,13 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None
     than stacking (gpt-oss: transposed, gate/up de-interleaved, MXFP4 dequantized, with biases) defines
     experts_from_checkpoint(ckpt, prefix, block, dtype) -> the block's load_experts arguments, an expert_reader
     among them (one expert at a time)."""
+    fp32 = tuple(getattr(model, "fp32_parameters", ()))
     for name, param in list(model.named_parameters()):
         tensor = _read(ckpt, name, tuple(param.shape))
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
-        setattr(module, attr, nn.Parameter(tensor.to(dtype).contiguous(), requires_grad=False))
+        target = torch.float32 if name.endswith(fp32) else dtype
+        setattr(module, attr, nn.Parameter(tensor.to(target).contiguous(), requires_grad=False))
         del tensor
     specs = model.expert_weights
     experts_from_checkpoint = getattr(model, "experts_from_checkpoint", None)

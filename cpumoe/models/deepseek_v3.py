@@ -1,0 +1,106 @@
+"""DeepSeek-V3 (model_type "deepseek_v3": DeepSeek-V3, -V3.1, -R1, Moonlight), as transformers' DeepseekV3ForCausalLM.
+
+DeepSeek-V2's model (deepseek_v2.py: MLA attention with the latent KV cache, dense first layers, shared experts, yarn
+RoPE), of which it reuses every class, with another router ("noaux_tc"), the router of cpumoe.select_experts:
+
+    router logits [M, E] = x (float32) @ gate.weight (float32).T -> scores = sigmoid(logits)
+    choice = scores + gate.e_score_correction_bias [E]       (for the choice only)
+    the topk_group of n_group groups with the largest sum of their best two choice scores stay selectable
+    top-k of the choice -> weights = the chosen experts' scores, / their sum when norm_topk_prob,
+                           * routed_scaling_factor
+
+Other departures from DeepSeek-V2, as transformers' DeepseekV3 does them:
+- the router's weight and correction bias stay float32 whatever the model dtype (fp32_parameters; transformers'
+  _keep_in_fp32_modules_strict), and the router is not an nn.Linear, so pack_linears leaves it alone;
+- rope_interleave (default True) rotates the rope channels' pairs (x[2i], x[2i+1]) as V2 does; False rotates the
+  halves' pairs (x[i], x[i + r/2]) (mla.py);
+- config.json defaults are DeepseekV3Config's (norm_topk_prob True, n_group 8, topk_group 4, ...).
+The attention (q_lora or plain q_proj, softmax scale x yarn mscale(factor, mscale_all_dim)^2), first_k_dense_replace
+and the ungated shared MLP of moe_intermediate_size * n_shared_experts are V2's. The multi-token-prediction layer
+(model.layers.{num_hidden_layers}, num_nextn_predict_layers) is not read, as transformers does not. Refused with a
+CheckpointError: topk_method other than "noaux_tc", scoring_func other than "sigmoid", and quantized checkpoints
+(the published DeepSeek-V3 / R1 ones are FP8 with block scales: convert them to BF16 first).
+Config: https://huggingface.co/docs/transformers/model_doc/deepseek_v3
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from cpumoe.layer import FusedMoE
+from cpumoe.loader import Checkpoint, CheckpointError, mxfp4
+from cpumoe.models.blocks import MoEBlock
+from cpumoe.models.deepseek_v2 import DEFAULTS, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV2MoE, config_fields
+
+TOPK_METHODS = ("noaux_tc",)
+# transformers' DeepseekV3Config defaults, where config.json leaves a field out
+V3_DEFAULTS = {**DEFAULTS, "n_routed_experts": 256, "n_shared_experts": 1, "first_k_dense_replace": 3,
+               "q_lora_rank": 1536, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+               "routed_scaling_factor": 2.5}
+
+
+@dataclass(slots=True)
+class DeepseekV3Config(DeepseekV2Config):
+    norm_topk_prob: bool = True
+
+    def moe_block(self, backend: str) -> MoEBlock:
+        return DeepseekV3MoE(
+            hidden_size=self.hidden_size, num_experts=self.n_routed_experts, inter_size=self.moe_intermediate_size,
+            top_k=self.num_experts_per_tok, shared_inter_size=self.moe_intermediate_size * self.n_shared_experts,
+            num_expert_group=self.n_group, topk_group=self.topk_group, renormalize=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor, backend=backend)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint) -> "DeepseekV3Config":
+        get = ckpt.config_get
+        mxfp4.check_quantization(ckpt, supported=())
+        if (scoring := get("scoring_func", default="sigmoid")) != "sigmoid":
+            raise CheckpointError(f"{ckpt.path}: scoring_func {scoring!r} is not supported (DeepSeek-V3: sigmoid)")
+        return cls(**config_fields(ckpt, TOPK_METHODS, V3_DEFAULTS),
+                   norm_topk_prob=bool(get("norm_topk_prob", default=True)),
+                   rope_interleave=bool(get("rope_interleave", default=True)))
+
+
+class DeepseekV3TopkRouter(nn.Module):
+    """The router's parameters, under transformers' names (mlp.gate.weight [E, H], mlp.gate.e_score_correction_bias
+    [E]); the routing itself is FusedMoE's (select_experts). Not an nn.Linear: pack_linears would pack the weight."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
+
+
+class DeepseekV3MoE(DeepseekV2MoE):
+    """DeepseekV2MoE (float32 router logits, experts, ungated shared MLP) with sigmoid scores, the correction bias
+    and always-grouped top-k (n_group 1 keeps every expert selectable: Moonlight, Kimi-K2)."""
+
+    def __init__(self, *, hidden_size: int, num_experts: int, inter_size: int, top_k: int, shared_inter_size: int,
+                 num_expert_group: int, topk_group: int, renormalize: bool, routed_scaling_factor: float,
+                 backend: str = "auto"):
+        super().__init__(hidden_size=hidden_size, num_experts=num_experts, inter_size=inter_size, top_k=top_k,
+                         shared_inter_size=shared_inter_size, num_expert_group=num_expert_group,
+                         topk_group=topk_group, routed_scaling_factor=routed_scaling_factor, scoring="sigmoid",
+                         renormalize=renormalize, backend=backend)
+        self.gate = DeepseekV3TopkRouter(hidden_size, num_experts)
+
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, expert_reader=None) -> None:  # see MoEBlock
+        """As DeepseekV2MoE's, plus the router's correction bias (loaded before the experts)."""
+        self.experts = FusedMoE(w13, w2, top_k=self.top_k, renormalize=self.renormalize, backend=self.backend,
+                                expert_reader=expert_reader, e_score_correction_bias=self.gate.e_score_correction_bias,
+                                **self.routing)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepseekV2ForCausalLM over a DeepseekV3Config (whose moe_block builds DeepseekV3MoE)."""
+    fp32_parameters: ClassVar[tuple[str, ...]] = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+    @classmethod
+    def config_from_checkpoint(cls, ckpt: Checkpoint) -> DeepseekV3Config:  # type: ignore[override]
+        return DeepseekV3Config.from_checkpoint(ckpt)
