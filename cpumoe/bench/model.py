@@ -6,8 +6,8 @@
       ITL        (E2E - TTFT) / (B x (output - 1))                      (../shared/workloads.md)
       throughput B x (input + output) / E2E
       decode     median time of the steps where every request decodes: tokens/s, and bytes read per step
-                 (dense weights + the expected distinct experts of B tokens + KV cache) / time, against a
-                 1 GiB streaming-read probe taken right before the case
+                 (dense weights + the distinct experts the step's tokens chose, counted + KV cache) / time,
+                 against a 1 GiB streaming-read probe taken right before the case
       prefill    2 FLOPs per active weight per prompt token, the lm_head once per prompt (attention's FLOPs not
                  counted) / (time to the last first token), against a torch.mm of 4096^3 in the model dtype
                  taken right before the case
@@ -39,6 +39,7 @@ from cpumoe.engine.config import EngineConfig
 from cpumoe.loader import Checkpoint
 from cpumoe.models.blocks import MoEBlock
 from cpumoe.models.packed_linear import PackedLinear
+from cpumoe.routing import select_experts
 
 MM_SIZE = 4096
 REPEATS = 3            # round-robin repetitions of every case
@@ -64,6 +65,7 @@ class ModelResult:
     throughput_tok_s: float
     decode_tok_s: float
     decode_gbs: float
+    decode_experts_per_layer: float  # distinct experts per MoE layer in a decode step (measured)
     decode_bandwidth_pct: float
     bandwidth_gbs: float
     prefill_gflops: float
@@ -96,9 +98,10 @@ class WeightBytes:
         """Expected distinct experts per layer for `tokens` uniformly routed tokens."""
         return self.experts * (1 - (1 - self.top_k / self.experts) ** tokens)
 
-    def decode_step_bytes(self, batch: int, mean_context: float) -> float:
-        experts = self.moe_layers * self.distinct_experts(batch) * self.expert
-        return self.dense + experts + batch * mean_context * self.kv_per_token
+    def decode_step_bytes(self, batch: int, mean_context: float, experts_per_layer: float | None = None) -> float:
+        """experts_per_layer: distinct experts a step's tokens chose (measured); None: uniform routing's."""
+        per_layer = self.distinct_experts(batch) if experts_per_layer is None else experts_per_layer
+        return self.dense + self.moe_layers * per_layer * self.expert + batch * mean_context * self.kv_per_token
 
     def active_weights(self) -> int:
         """Weights one token multiplies: dense ones and k experts per MoE layer (in elements)."""
@@ -157,6 +160,37 @@ class MachineLimits:
         return bandwidth, 2 * self.mm_size**3 / (time.perf_counter() - t) / 1e9
 
 
+class ExpertCounter:
+    """Counts the distinct experts each MoE layer's tokens choose while `counting` (forward hooks that redo the
+    layer's routing on its router logits: cheap at decode sizes). `per_layer`: their mean over the layers."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = [m.experts for m in model.modules() if isinstance(m, MoEBlock) and m.experts is not None]
+        self.counting, self.chosen, self.calls = False, 0, 0
+        self._hooks = []
+
+    def __enter__(self) -> "ExpertCounter":
+        self._hooks = [layer.register_forward_hook(self._count) for layer in self.layers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def _count(self, layer, args, output) -> None:
+        if self.counting and len(args) == 2:  # (hidden_states, router_logits)
+            _, topk_ids = select_experts(args[1], layer.top_k, **layer.routing)
+            self.chosen += topk_ids.unique().numel()
+            self.calls += 1
+
+    def take(self) -> float | None:
+        """Mean distinct experts per layer since the last take; None when no layer routed through FusedMoE's own
+        forward (models whose MoE blocks route themselves)."""
+        per_layer = self.chosen / self.calls if self.calls else None
+        self.chosen = self.calls = 0
+        return per_layer
+
+
 def run_case(engine: LLMEngine, case: ModelCase, limits: MachineLimits, weights: WeightBytes,
              seed: int = 0) -> ModelResult:
     vocab = engine.model.config.vocab_size
@@ -170,29 +204,32 @@ def run_case(engine: LLMEngine, case: ModelCase, limits: MachineLimits, weights:
     start = time.perf_counter()
     first: dict[str, float] = {}
     done: dict[str, float] = {}
-    decode_steps: list[float] = []
-    contexts: list[float] = []
+    decode_steps: list[tuple[float, float]] = []  # (seconds, bytes read)
+    experts: list[float] = []
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{i}", prompt, params)
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        outputs = engine.step()
-        t1 = time.perf_counter()
-        all_decoding = len(first) == case.batch and len(done) == 0
-        for out in outputs:
-            if out.new_token_ids and out.request_id not in first:
-                first[out.request_id] = t1 - start
-            if out.finished:
-                done[out.request_id] = t1 - start
-        if all_decoding and len(outputs) == case.batch:
-            decode_steps.append(t1 - t0)
-            contexts.append(case.input_len + statistics.mean(o.completion_tokens for o in outputs))
+    with ExpertCounter(engine.model) as counter:
+        while engine.has_unfinished():
+            all_decoding = len(first) == case.batch and len(done) == 0
+            counter.counting = all_decoding
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            t1 = time.perf_counter()
+            for out in outputs:
+                if out.new_token_ids and out.request_id not in first:
+                    first[out.request_id] = t1 - start
+                if out.finished:
+                    done[out.request_id] = t1 - start
+            chosen = counter.take()
+            if all_decoding and len(outputs) == case.batch:
+                context = case.input_len + statistics.mean(o.completion_tokens for o in outputs)
+                decode_steps.append((t1 - t0, weights.decode_step_bytes(case.batch, context, chosen)))
+                experts.append(weights.distinct_experts(case.batch) if chosen is None else chosen)
     e2e = max(done.values())
     ttft = statistics.mean(first.values())
     prefill_s = max(first.values())
-    decode_s = statistics.median(decode_steps) if decode_steps else float("nan")
-    step_bytes = weights.decode_step_bytes(case.batch, statistics.mean(contexts) if contexts else case.input_len)
-    decode_gbs = step_bytes / decode_s / 1e9
+    decode_s = statistics.median(t for t, _ in decode_steps) if decode_steps else float("nan")
+    decode_gbs = statistics.median(b / t for t, b in decode_steps) / 1e9 if decode_steps else float("nan")
     prefill_gflops = weights.prefill_flops(case.batch, case.input_len) / prefill_s / 1e9
     return ModelResult(
         path=experts_path(engine), batch=case.batch, input_len=case.input_len, output_len=case.output_len,
@@ -200,6 +237,7 @@ def run_case(engine: LLMEngine, case: ModelCase, limits: MachineLimits, weights:
         itl_ms=(e2e - ttft) / (case.batch * max(case.output_len - 1, 1)) * 1e3,
         e2e_s=e2e, throughput_tok_s=case.batch * (case.input_len + case.output_len) / e2e,
         decode_tok_s=case.batch / decode_s, decode_gbs=decode_gbs,
+        decode_experts_per_layer=statistics.mean(experts) if experts else float("nan"),
         decode_bandwidth_pct=100 * decode_gbs / bandwidth, bandwidth_gbs=bandwidth,
         prefill_gflops=prefill_gflops, prefill_mm_pct=100 * prefill_gflops / mm_gflops, mm_gflops=mm_gflops,
         peak_rss_gb=peak_rss_gb())
@@ -283,8 +321,9 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
 
 def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes) -> list[dict]:
     """Decode tokens/s at batch B over batch 1 (same path, input and output lengths), beside the most a weight
-    stream allows: B x bytes(step of 1) / bytes(step of B), with B tokens touching the expected distinct experts
-    of uniform routing (the batch-B step reads more experts, so it cannot gain B-fold)."""
+    stream allows: B x bytes(step of 1) / bytes(step of B), the batch-B step reading the distinct experts its
+    tokens chose (measured; and, for reference, uniform routing's expectation): it reads more experts, so it
+    cannot gain B-fold."""
     single = {(r.path, r.input_len, r.output_len): r for r in results if r.batch == 1}
     rows = []
     for r in results:
@@ -292,10 +331,14 @@ def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes) -> list[
         if r.batch == 1 or base is None:
             continue
         context = r.input_len + r.output_len / 2
-        bound = r.batch * weights.decode_step_bytes(1, context) / weights.decode_step_bytes(r.batch, context)
+        single_bytes = weights.decode_step_bytes(1, context, base.decode_experts_per_layer)
+        bound = r.batch * single_bytes / weights.decode_step_bytes(r.batch, context, r.decode_experts_per_layer)
+        uniform = r.batch * weights.decode_step_bytes(1, context) / weights.decode_step_bytes(r.batch, context)
         speedup = r.decode_tok_s / base.decode_tok_s
         rows.append(dict(path=r.path, batch=r.batch, input_len=r.input_len, output_len=r.output_len,
-                         decode_speedup=speedup, bandwidth_bound_speedup=bound, pct_of_bound=100 * speedup / bound))
+                         experts_per_layer=r.decode_experts_per_layer, decode_speedup=speedup,
+                         bandwidth_bound_speedup=bound, uniform_routing_bound=uniform,
+                         pct_of_bound=100 * speedup / bound))
     return rows
 
 
@@ -327,10 +370,12 @@ def render_model_report(report: dict, console: Console) -> None:
     if report.get("batch_scaling"):
         scaling = Table(title="decode batch scaling (against batch 1; bound: the weight bytes a step reads)",
                         title_justify="left")
-        for name in ("batch", "in", "out", "experts", "decode speedup", "bandwidth bound", "% of bound"):
+        for name in ("batch", "in", "out", "experts", "experts/layer", "decode speedup", "bandwidth bound",
+                     "% of bound", "bound (uniform routing)"):
             scaling.add_column(name, justify="right", no_wrap=True)
         for s in report["batch_scaling"]:
             scaling.add_row(str(s["batch"]), str(s["input_len"]), str(s["output_len"]), s["path"],
-                            f"{s['decode_speedup']:.2f}x", f"{s['bandwidth_bound_speedup']:.2f}x",
-                            f"{s['pct_of_bound']:.0f}%")
+                            f"{s['experts_per_layer']:.1f}", f"{s['decode_speedup']:.2f}x",
+                            f"{s['bandwidth_bound_speedup']:.2f}x", f"{s['pct_of_bound']:.0f}%",
+                            f"{s['uniform_routing_bound']:.2f}x")
         console.print(scaling)

@@ -37,6 +37,9 @@ def test_bench_model_json(tmp_path, capsys):
     assert [(s["batch"], s["path"] == "naive") for s in scaling] == [(3, False), (3, True)]
     for s in scaling:
         assert s["decode_speedup"] > 0 and 1 < s["bandwidth_bound_speedup"] < 3, s
+    # counted routing: one token picks exactly top_k = 2 experts per layer; three pick 2 to 4 of the 4
+    assert [r["decode_experts_per_layer"] for r in results if r["batch"] == 1] == [2.0, 2.0]
+    assert all(2 <= r["decode_experts_per_layer"] <= 4 for r in results if r["batch"] == 3)
     # Every dense weight counted once, packed or not: the naive model keeps them all as nn.Linear parameters.
     naive = load_model(path, backend="naive")
     dense = sum(p.numel() for p in naive.parameters()) - naive.model.embed_tokens.weight.numel()
