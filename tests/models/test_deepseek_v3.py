@@ -26,7 +26,7 @@ from cpumoe.models import MODELS, load_model  # noqa: E402
 from cpumoe.models.blocks import GatedMLP  # noqa: E402
 from cpumoe.models.deepseek_v3 import DeepseekV3MoE  # noqa: E402
 from tests.models.test_architectures import rel_err  # noqa: E402
-from tests.models.tiny import spread_weights_  # noqa: E402
+from tests.models.tiny import engine_greedy, greedy_without_cache, spread_weights_  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 PROMPT = torch.tensor([[111, 87, 25, 71, 115, 92, 74, 62, 46, 32, 88]])  # [1, T]
@@ -168,14 +168,8 @@ def test_prefill_logits_match(pair):
 
 def test_greedy_decode_matches(pair):
     name, model, path = pair
-    ours = load_model(path)
-    ids_ours, ids_theirs = PROMPT, PROMPT
-    for _ in range(8):  # no KV cache: re-run the whole sequence each step
-        ids_ours = torch.cat([ids_ours, ours(ids_ours)[:, -1].argmax(-1, keepdim=True)], dim=1)
-        with torch.no_grad():
-            nxt = model(ids_theirs).logits[:, -1].argmax(-1, keepdim=True)
-        ids_theirs = torch.cat([ids_theirs, nxt], dim=1)
-    assert ids_ours.tolist() == ids_theirs.tolist(), name
+    ours, theirs = greedy_without_cache(load_model(path), model, PROMPT)
+    assert ours == theirs, name
 
 
 @pytest.mark.parametrize("budget", [512, 4], ids=["whole-prompt", "chunks-of-4"])
@@ -183,9 +177,7 @@ def test_engine_greedy_matches_generate(pair, budget):
     name, model, path = pair
     with torch.no_grad():
         ref = model.generate(PROMPT, do_sample=False, max_new_tokens=10)[0, PROMPT.shape[1]:]
-    engine = LLMEngine(path, config=EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=budget))
-    out = engine.generate([PROMPT[0].tolist()], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
-    assert out.new_token_ids == ref.tolist(), f"{name}, token budget {budget}"
+    assert engine_greedy(path, [PROMPT[0].tolist()], budget=budget) == [ref.tolist()], f"{name}, budget {budget}"
 
 
 def test_correction_bias_matters(tmp_path):

@@ -18,13 +18,12 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from cpumoe.loader import Checkpoint, CheckpointError, mxfp4  # noqa: E402
 from cpumoe.models import MODELS, load_model  # noqa: E402
 from cpumoe.models.blocks import AttentionContext, paged_attention  # noqa: E402
 from cpumoe.models.gpt_oss import GptOssMoE  # noqa: E402
 from tests.models.test_architectures import min_router_margin, rel_err  # noqa: E402
-from tests.models.tiny import spread_weights_  # noqa: E402
+from tests.models.tiny import engine_greedy, greedy_without_cache, spread_weights_  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 # 11 tokens: longer than the window, so sliding layers drop keys; no routing near-tie in bf16 (min_router_margin)
@@ -147,14 +146,8 @@ def test_sinks_and_window_matter(pair, drop):
 
 def test_greedy_decode_matches(pair):
     model, path = pair
-    ours = load_model(path)
-    ids_ours, ids_theirs = PROMPT, PROMPT
-    for _ in range(8):  # no KV cache: re-run the whole sequence each step
-        ids_ours = torch.cat([ids_ours, ours(ids_ours)[:, -1].argmax(-1, keepdim=True)], dim=1)
-        with torch.no_grad():
-            nxt = model(ids_theirs).logits[:, -1].argmax(-1, keepdim=True)
-        ids_theirs = torch.cat([ids_theirs, nxt], dim=1)
-    assert ids_ours.tolist() == ids_theirs.tolist()
+    ours, theirs = greedy_without_cache(load_model(path), model, PROMPT)
+    assert ours == theirs
 
 
 PROMPTS = [PROMPT[0].tolist(), [5], [17, 99, 3], list(range(30, 52)), [7, 7, 7, 7, 7, 9]]
@@ -171,18 +164,15 @@ def reference(pair):
 
 @pytest.mark.parametrize("budget", [512, 4], ids=["whole-prompt", "chunks-of-4"])
 def test_engine_greedy_matches_generate(pair, reference, budget):
-    engine = LLMEngine(pair[1], config=EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=budget))
-    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
-    assert out.new_token_ids == reference[0], f"token budget {budget}"
+    assert engine_greedy(pair[1], [PROMPTS[0]], budget=budget) == [reference[0]], f"token budget {budget}"
 
 
 @pytest.mark.parametrize("budget", [512, 7], ids=["budget-512", "budget-7"])
 def test_engine_concurrent_requests_match_generate(pair, reference, budget):
     """Prompts of 1 to 22 tokens at once: decodes beside prefill chunks, windows across blocks."""
-    engine = LLMEngine(pair[1], config=EngineConfig(block_size=4, num_blocks=96, max_num_batched_tokens=budget))
-    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    outs = engine_greedy(pair[1], PROMPTS, budget=budget, num_blocks=96)
     for i, out in enumerate(outs):
-        assert out.new_token_ids == reference[i], f"prompt {i} (length {len(PROMPTS[i])}), token budget {budget}"
+        assert out == reference[i], f"prompt {i} (length {len(PROMPTS[i])}), token budget {budget}"
 
 
 # --- MXFP4 experts -------------------------------------------------------------------------------------------------

@@ -12,3 +12,25 @@ def spread_weights_(model: torch.nn.Module) -> torch.nn.Module:
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.5)
     return model
+
+
+def greedy_without_cache(ours, theirs, prompt: torch.Tensor, steps: int = 8) -> tuple[list, list]:
+    """`steps` greedy tokens from our model and transformers' one, each re-running the whole sequence per step
+    (no KV cache). prompt [1, T] -> both token lists, prompt included."""
+    ids_ours, ids_theirs = prompt, prompt
+    for _ in range(steps):
+        ids_ours = torch.cat([ids_ours, ours(ids_ours)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        with torch.no_grad():
+            nxt = theirs(ids_theirs).logits[:, -1].argmax(-1, keepdim=True)
+        ids_theirs = torch.cat([ids_theirs, nxt], dim=1)
+    return ids_ours.tolist(), ids_theirs.tolist()
+
+
+def engine_greedy(path, prompts: list[list[int]], *, budget: int, max_tokens: int = 10,
+                  num_blocks: int = 64) -> list[list[int]]:
+    """Greedy completions of prompts, all at once, from cpumoe's engine (4-token cache blocks, `budget` tokens a
+    step: a small budget chunks the prefills)."""
+    from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams
+    engine = LLMEngine(path, config=EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [out.new_token_ids for out in outs]
