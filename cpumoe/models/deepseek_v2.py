@@ -124,6 +124,19 @@ def config_fields(ckpt: Checkpoint, topk_methods: tuple[str, ...], defaults: dic
     )
 
 
+class DeepseekV2TopkRouter(nn.Module):
+    """The router's weight under transformers' name (mlp.gate.weight [E, H]), float32 whatever the model dtype, as
+    transformers keeps it (_keep_in_fp32_modules_strict); the routing itself is FusedMoE's (select_experts). Not an
+    nn.Linear: pack_linears would pack the weight in the model dtype."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
+
+
 class DeepseekV2MoE(MoEBlock):
     """MoEBlock with DeepSeek-V2's router (float32 logits, optional group-limited top-k, scaled, not renormalized)
     and an ungated shared MLP `shared_experts` (checkpoint names mlp.gate / mlp.experts.{e} / mlp.shared_experts).
@@ -134,6 +147,7 @@ class DeepseekV2MoE(MoEBlock):
                  scoring: str = "softmax", renormalize: bool = False, backend: str = "auto"):
         super().__init__(hidden_size=hidden_size, num_experts=num_experts, inter_size=inter_size, top_k=top_k,
                          renormalize=renormalize, backend=backend)
+        self.gate = DeepseekV2TopkRouter(hidden_size, num_experts)
         self.shared_experts = GatedMLP(hidden_size, shared_inter_size) if shared_inter_size else None
         self.routing = dict(scoring=scoring, num_expert_group=num_expert_group, topk_group=topk_group,
                             routed_scaling_factor=routed_scaling_factor)
@@ -146,7 +160,7 @@ class DeepseekV2MoE(MoEBlock):
         if self.experts is None:
             raise RuntimeError("DeepseekV2MoE has no experts yet: load the model with cpumoe.models.load_model")
         flat = x.reshape(-1, x.shape[-1])  # [M, H]
-        router_logits = F.linear(flat.float(), self.gate.weight.float())  # [M, E] float32, as transformers
+        router_logits = F.linear(flat.float(), self.gate.weight)  # [M, E] float32, as transformers
         out = self.experts(flat, router_logits)  # [M, H]
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
@@ -194,6 +208,7 @@ class DeepseekV2ForCausalLM(MoeDecoderForCausalLM):
     """Reuses MoeDecoderForCausalLM's forward, compute_logits and expert_weights (experts.{e}.gate_proj / up_proj /
     down_proj, or transformers' fused experts.gate_up_proj / down_proj); builds its own model."""
     spec: ClassVar[ArchSpec] = ArchSpec(moe="mlp", experts=("gate_proj", "up_proj", "down_proj"))
+    fp32_parameters: ClassVar[tuple[str, ...]] = ("mlp.gate.weight",)
 
     def __init__(self, config: DeepseekV2Config, backend: str = "auto"):
         nn.Module.__init__(self)

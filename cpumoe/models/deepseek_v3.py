@@ -33,7 +33,8 @@ from torch import nn
 from cpumoe.layer import FusedMoE
 from cpumoe.loader import Checkpoint, CheckpointError, mxfp4
 from cpumoe.models.blocks import MoEBlock
-from cpumoe.models.deepseek_v2 import DEFAULTS, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV2MoE, config_fields
+from cpumoe.models.deepseek_v2 import (DEFAULTS, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV2MoE,
+                                       DeepseekV2TopkRouter, config_fields)
 
 TOPK_METHODS = ("noaux_tc",)
 # transformers' DeepseekV3Config defaults, where config.json leaves a field out
@@ -64,17 +65,12 @@ class DeepseekV3Config(DeepseekV2Config):
                    rope_interleave=bool(get("rope_interleave", default=True)))
 
 
-class DeepseekV3TopkRouter(nn.Module):
-    """The router's parameters, under transformers' names (mlp.gate.weight [E, H], mlp.gate.e_score_correction_bias
-    [E]); the routing itself is FusedMoE's (select_experts). Not an nn.Linear: pack_linears would pack the weight."""
+class DeepseekV3TopkRouter(DeepseekV2TopkRouter):
+    """V2's router plus the correction bias (mlp.gate.e_score_correction_bias [E], float32)."""
 
     def __init__(self, hidden_size: int, num_experts: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        super().__init__(hidden_size, num_experts)
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
 
 
 class DeepseekV3MoE(DeepseekV2MoE):

@@ -171,3 +171,14 @@ def test_unsupported_configs_are_refused(edit, match, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=match):
         load_model(tmp_path)
+
+
+def test_bf16_model_keeps_router_float32(tmp_path):
+    """transformers keeps mlp.gate.weight float32 in a bf16 model, and save_pretrained writes it so; cpumoe keeps those
+    float32 values as they are (rounding them to bf16 can change expert choices)."""
+    model = tiny_model(**VARIANTS["greedy-q-proj"])
+    model.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, dtype=torch.bfloat16)
+    gate = ours.model.layers[1].mlp.gate
+    assert (ours.model.embed_tokens.weight.dtype, gate.weight.dtype) == (torch.bfloat16, torch.float32)
+    torch.testing.assert_close(gate.weight, model.model.layers[1].mlp.gate.weight, rtol=0, atol=0)
