@@ -3,27 +3,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpumoe.models.blocks import AttentionContext, paged_attention
+from cpumoe.models.blocks import paged_attention
+from tests.engine.paged import paged_case
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-
-
-def _case(query_lens, context_lens, nh, nkv, d, dtype, block_size=4):
-    g = torch.Generator().manual_seed(len(query_lens) * 31 + sum(context_lens))
-    num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
-    k_cache = torch.randn(num_blocks, block_size, nkv, d, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, nkv, d, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered blocks
-    tables = []
-    for c in context_lens:
-        n = -(-c // block_size)
-        tables.append(torch.tensor(perm[:n], dtype=torch.long))
-        perm = perm[n:]
-    q = torch.randn(sum(query_lens), nh, d, generator=g).to(dtype)
-    context = AttentionContext(positions=torch.zeros(q.shape[0], dtype=torch.long), query_lens=list(query_lens),
-                               context_lens=list(context_lens), slot_mapping=torch.zeros(0, dtype=torch.long),
-                               block_tables=tables, kv_caches=[(k_cache, v_cache)])
-    return q, k_cache, v_cache, context
 
 
 def _reference(q, k_cache, v_cache, context):
@@ -46,7 +29,7 @@ def _reference(q, k_cache, v_cache, context):
 ], ids=["one-token", "decode-17", "decodes-3", "mixed", "chunk-then-decode", "prefill-only"])
 @pytest.mark.parametrize("nh,nkv", [(8, 2), (4, 4)], ids=["gqa", "mha"])
 def test_paged_attention_matches_sdpa(query_lens, context_lens, nh, nkv, dtype):
-    q, k_cache, v_cache, context = _case(query_lens, context_lens, nh, nkv, 16, dtype)
+    q, k_cache, v_cache, context = paged_case(query_lens, context_lens, nh=nh, nkv=nkv, d=16, dtype=dtype)
     out = paged_attention(q, k_cache, v_cache, context)
     torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, context), **TOL[dtype],
                                msg=f"query_lens {query_lens}, context_lens {context_lens}")

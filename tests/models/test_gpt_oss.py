@@ -20,9 +20,10 @@ transformers = pytest.importorskip("transformers")
 
 from cpumoe.loader import Checkpoint, CheckpointError, mxfp4  # noqa: E402
 from cpumoe.models import MODELS, load_model  # noqa: E402
-from cpumoe.models.blocks import AttentionContext, paged_attention  # noqa: E402
+from cpumoe.models.blocks import paged_attention  # noqa: E402
 from cpumoe.models.gpt_oss import GptOssMoE  # noqa: E402
 from tests.models.test_architectures import min_router_margin, rel_err  # noqa: E402
+from tests.engine.paged import paged_case  # noqa: E402
 from tests.models.tiny import engine_greedy, greedy_without_cache, spread_weights_  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -284,22 +285,10 @@ def test_published_config_keys(pair, tmp_path):
 ATTENTION_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def _paged_case(query_lens, context_lens, dtype, nh=4, nkv=2, d=16, block_size=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-c // block_size) for c in context_lens) + 2
-    k_cache, v_cache = (torch.randn(num_blocks, block_size, nkv, d, generator=g).to(dtype) for _ in range(2))
-    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered blocks
-    tables = []
-    for c in context_lens:
-        n = -(-c // block_size)
-        tables.append(torch.tensor(perm[:n], dtype=torch.long))
-        perm = perm[n:]
-    q = torch.randn(sum(query_lens), nh, d, generator=g).to(dtype)
-    sinks = (torch.randn(nh, generator=g) * 2).to(dtype)
-    context = AttentionContext(positions=torch.zeros(q.shape[0], dtype=torch.long), query_lens=list(query_lens),
-                               context_lens=list(context_lens), slot_mapping=torch.zeros(0, dtype=torch.long),
-                               block_tables=tables, kv_caches=[(k_cache, v_cache)])
-    return q, k_cache, v_cache, context, sinks
+def _paged_case(query_lens, context_lens, dtype, nh=4, nkv=2, d=16):
+    """paged_case plus sink logits [nh]."""
+    sinks = (torch.randn(nh, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
+    return (*paged_case(query_lens, context_lens, nh=nh, nkv=nkv, d=d, dtype=dtype), sinks)
 
 
 def _eager_reference(q, k_cache, v_cache, context, sinks, window):
