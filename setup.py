@@ -16,7 +16,13 @@ ISA_FLAGS = {
     "kernels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "kernels_avx512bf16.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                                "-mfma", "-mf16c"],
+    "quant_avx512vnni.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
+    "quant_avx512bf16.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                             "-mfma", "-mf16c"],
+    "quant_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     "kernels_neon.cpp": [],
+    "quant_dotprod.cpp": ["-march=armv8.2-a+dotprod"],
+    "quant_i8mm.cpp": ["-march=armv8.6-a+i8mm+dotprod"],
     "kernels_bfmmla.cpp": ["-march=armv8.6-a+bf16+i8mm"],
 }
 

@@ -46,6 +46,7 @@ std::vector<std::string> detect() {
   std::vector<std::string> f;
   unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
   if (hw & HWCAP_ASIMD) f.push_back("asimd");
+  if (hw & HWCAP_ASIMDDP) f.push_back("asimddp");
   if (hw & HWCAP_SVE) f.push_back("sve");
   if (hw2 & HWCAP2_BF16) f.push_back("bf16");
   if (hw2 & HWCAP2_I8MM) f.push_back("i8mm");
@@ -55,30 +56,42 @@ std::vector<std::string> detect() {
 std::vector<std::string> detect() { return {}; }
 #endif
 
+using QuantFn = const QuantKernel* (*)(QuantFormat);
+
 struct PathSpec {
   const char* name;
-  const KernelTable* (*table)();      // nullptr when not compiled for this architecture
+  bool built;                         // compiled for this architecture
+  const KernelTable* (*table)();      // dense tiles, or nullptr: the path has none
+  QuantFn quant;                      // quantized tiles per format (nullptr entries: not written), or nullptr
   std::vector<std::string> requires;  // CPU features
 };
 
+const QuantKernel* generic_quant(QuantFormat f) { return &quant_generic(f); }
+
+// Fastest first: for each dtype and format the first available path that has tiles for it wins.
 std::vector<PathSpec> specs() {
-  auto no_table = []() -> const KernelTable* { return nullptr; };
-  (void)no_table;
   return {
 #if defined(__x86_64__)
-      {"x86-avx512bf16", [] { return &kernels_x86_avx512bf16(); }, {"avx512f", "avx512bw", "avx512_bf16"}},
-      {"x86-avx512", [] { return &kernels_x86_avx512(); }, {"avx512f", "avx512bw", "f16c", "fma"}},
-      {"x86-avx2", [] { return &kernels_x86_avx2(); }, {"avx2", "fma", "f16c"}},
-      {"arm-bfmmla", no_table, {"bf16"}},
-      {"arm-neon", no_table, {"asimd"}},
+      {"x86-avx512bf16", true, [] { return &kernels_x86_avx512bf16(); }, quant_x86_avx512bf16,
+       {"avx512f", "avx512bw", "avx512_bf16"}},
+      {"x86-avx512vnni", true, nullptr, quant_x86_avx512vnni, {"avx512f", "avx512bw", "avx512_vnni"}},
+      {"x86-avx512", true, [] { return &kernels_x86_avx512(); }, nullptr, {"avx512f", "avx512bw", "f16c", "fma"}},
+      {"x86-avx2", true, [] { return &kernels_x86_avx2(); }, quant_x86_avx2, {"avx2", "fma", "f16c"}},
+      {"arm-bfmmla", false, nullptr, nullptr, {"bf16"}},
+      {"arm-i8mm", false, nullptr, nullptr, {"i8mm"}},
+      {"arm-dotprod", false, nullptr, nullptr, {"asimddp"}},
+      {"arm-neon", false, nullptr, nullptr, {"asimd"}},
 #elif defined(__aarch64__)
-      {"x86-avx512bf16", no_table, {}},
-      {"x86-avx512", no_table, {}},
-      {"x86-avx2", no_table, {}},
-      {"arm-bfmmla", [] { return &kernels_arm_bfmmla(); }, {"bf16"}},
-      {"arm-neon", [] { return &kernels_arm_neon(); }, {"asimd"}},
+      {"x86-avx512bf16", false, nullptr, nullptr, {}},
+      {"x86-avx512vnni", false, nullptr, nullptr, {}},
+      {"x86-avx512", false, nullptr, nullptr, {}},
+      {"x86-avx2", false, nullptr, nullptr, {}},
+      {"arm-bfmmla", true, [] { return &kernels_arm_bfmmla(); }, nullptr, {"bf16"}},
+      {"arm-i8mm", true, nullptr, quant_arm_i8mm, {"i8mm"}},
+      {"arm-dotprod", true, nullptr, quant_arm_dotprod, {"asimddp"}},
+      {"arm-neon", true, [] { return &kernels_arm_neon(); }, nullptr, {"asimd"}},
 #endif
-      {"generic", [] { return &kernels_generic(); }, {}},
+      {"generic", true, [] { return &kernels_generic(); }, generic_quant, {}},
   };
 }
 
@@ -97,16 +110,19 @@ bool cpu_has(const std::string& feature) {
 std::vector<KernelInfo> kernel_paths() {
   std::vector<KernelInfo> out;
   for (const PathSpec& s : specs()) {
-    KernelInfo info{s.table(), s.name, ""};
-    if (!info.table) {
+    KernelInfo info{nullptr, s.name, "", {}};
+    if (!s.built) {
       info.unavailable = "not built for this architecture";
     } else {
       for (const std::string& req : s.requires)
         if (!cpu_has(req)) {
           info.unavailable = "CPU lacks " + req;
-          info.table = nullptr;
           break;
         }
+    }
+    if (info.unavailable.empty()) {
+      info.table = s.table ? s.table() : nullptr;
+      for (int f = 0; f < kNumQuantFormats && s.quant; ++f) info.quant[f] = s.quant(QuantFormat(f));
     }
     out.push_back(info);
   }
@@ -116,8 +132,20 @@ std::vector<KernelInfo> kernel_paths() {
 const KernelTable* find_kernel(const std::string& name, std::string* why) {
   for (const KernelInfo& k : kernel_paths())
     if (k.name == name) {
-      if (!k.table && why) *why = k.unavailable;
+      if (!k.table && why) *why = k.unavailable.empty() ? "it has no fp32/bf16/fp16 tiles" : k.unavailable;
       return k.table;
+    }
+  if (why) *why = "unknown kernel path '" + name + "'";
+  return nullptr;
+}
+
+const QuantKernel* find_quant_kernel(const std::string& name, QuantFormat format, std::string* why) {
+  for (const KernelInfo& k : kernel_paths())
+    if (k.name == name) {
+      const QuantKernel* q = k.quant[int(format)];
+      if (!q && why)
+        *why = k.unavailable.empty() ? std::string("it has no ") + quant_format_name(format) + " tiles" : k.unavailable;
+      return q;
     }
   if (why) *why = "unknown kernel path '" + name + "'";
   return nullptr;

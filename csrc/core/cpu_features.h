@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "quant.h"
 
 namespace cpumoe {
 
@@ -13,14 +14,17 @@ std::vector<std::string> cpu_features();
 bool cpu_has(const std::string& feature);
 
 struct KernelInfo {
-  const KernelTable* table;    // nullptr when not built for this architecture
+  const KernelTable* table;    // dense (fp32/bf16/fp16) tiles; nullptr when unavailable or the path has none
   std::string name;
   std::string unavailable;     // empty when the path can run here, else why not
+  const QuantKernel* quant[kNumQuantFormats];  // per QuantFormat; nullptr when unavailable or not written
 };
 
 // Every path cpumoe knows, fastest first, with whether it can run on this CPU.
 std::vector<KernelInfo> kernel_paths();
-// The named path, or nullptr with *why set.
+// The named path's dense tiles, or nullptr with *why set.
 const KernelTable* find_kernel(const std::string& name, std::string* why);
+// The named path's tiles for a quantized format, or nullptr with *why set.
+const QuantKernel* find_quant_kernel(const std::string& name, QuantFormat format, std::string* why);
 
 }  // namespace cpumoe

@@ -16,8 +16,9 @@ struct GemmTile {
   void* out;                  // w13: intermediate rows (dtype, 32 columns); w2: float32 rows (64 columns)
   int64_t out_stride;         // elements between output rows
   int out_cols;               // w2: columns to write (< 64 at the right edge of H); w13: unused (32)
-  DType dtype;                // activation and weight dtype
+  DType dtype;                // activation and weight dtype (quantized formats: see quant.h)
   Activation act;             // w13 only
+  int64_t group;              // quantized formats: the format's group size g (quant.h); else unused
 };
 
 struct KernelTable {

@@ -1,0 +1,8 @@
+// Quantized tiles of this ISA (see ../quant.h). Not written yet: no format has tiles here.
+#include "../quant.h"
+
+namespace cpumoe {
+
+const QuantKernel* quant_arm_i8mm(QuantFormat) { return nullptr; }
+
+}  // namespace cpumoe
