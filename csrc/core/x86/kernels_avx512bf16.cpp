@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include "../simd.h"
+#include "kernels_avx512bf16.h"
 
 namespace cpumoe {
 namespace {
@@ -69,14 +70,15 @@ constexpr TileFn kW13[kMaxRows + 1] = {
 constexpr TileFn kW2[kMaxRows + 1] = {
     nullptr, w2_rows<1>, w2_rows<2>, w2_rows<3>, w2_rows<4>, w2_rows<5>, w2_rows<6>};
 
-void w13_tile(const GemmTile& t) { run_row_tiles(t, kW13, kMaxRows, 2); }
-void w2_tile(const GemmTile& t) { run_row_tiles(t, kW2, kMaxRows, 4); }
-
 }  // namespace
+
+void avx512bf16_w13_tile(const GemmTile& t) { run_row_tiles(t, kW13, kMaxRows, 2); }
+void avx512bf16_w2_tile(const GemmTile& t) { run_row_tiles(t, kW2, kMaxRows, 4); }
 
 const KernelTable& kernels_x86_avx512bf16() {
   static const KernelTable table{"x86-avx512bf16", Layout::kPairs, kMaxRows,
-                                 1u << int(DType::kBFloat16), w13_tile, w2_tile};
+                                 1u << int(DType::kBFloat16), avx512bf16_w13_tile,
+                                 avx512bf16_w2_tile};
   return table;
 }
 

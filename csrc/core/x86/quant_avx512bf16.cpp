@@ -1,8 +1,180 @@
-// Quantized tiles of this ISA (see ../quant.h). Not written yet: no format has tiles here.
-#include "../quant.h"
+// x86 AVX-512 BF16: fp8_w8a16 and mxfp4_w4a16 tiles with VDPBF16PS, activations bf16.
+// Both blocks keep the dense kPairs order per k-pair (fp8: [Kp/2][64][2] bytes, mxfp4: [Kp/2][64] bytes of
+// two codes), so 16 columns x one k-pair widen in registers to one zmm of bf16 pairs that VDPBF16PS takes
+// with the row's broadcast (a[k], a[k+1]), exactly as the dense tile:
+//   fp8: sign-extend the byte to 16 bits, shift by 4 and set the exponent bias: s, e + 112, m is the e4m3
+//        value x 2^-8 as a bf16 normal (VDPBF16PS flushes bf16 subnormals, so the bias keeps even e4m3's
+//        subnormals m * 2^-9 normal; those lanes come from a table). Exact; 2^8 goes into the f32 scale.
+//   mxfp4: zero-extend each byte to 32 bits, copy the high code to bits 16.. and VPERMW looks both codes up.
+// Each chunk (fp8: g k, mxfp4: 32 k) sums in f32 and is rescaled per column once.
+// Decode (1-2 rows) widens per register tile. Prefill widens each block once, with the scale folded in,
+// into a thread-local bf16 kPairs block and runs the dense tile on it (w * scale rounded to bf16 there).
+// Measured on one Xeon (Emerald Rapids) core, see the report / commit message for the figures.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels_avx512bf16.h"
+#include "quant_tiles.h"
 
 namespace cpumoe {
+namespace {
 
-const QuantKernel* quant_x86_avx512bf16(QuantFormat) { return nullptr; }
+constexpr int kDirectRows = 2;    // register tiles that widen the weights themselves
+constexpr int kScratchRows = 3;   // from this many rows a call dequantizes its block once
+constexpr int kPrefetchBytes = 4096;
+
+// fp8 e4m3 block: [Kp/2][64][2] bytes, then f32 scale[ceil(Kp/g)][64].
+struct Fp8 {
+  static constexpr int kPairBytes = 128;
+  const uint8_t* b;
+  const float* scales;
+  int64_t chunk;
+  __m512i mag, bias, sign, exp_mask, subnormal;
+  explicit Fp8(const GemmTile& t)
+      : b(static_cast<const uint8_t*>(t.b)),
+        scales(reinterpret_cast<const float*>(b + 64 * t.k)),
+        chunk(t.group),
+        mag(_mm512_set1_epi16(0x07F0)),
+        bias(_mm512_set1_epi16(0x3800)),
+        sign(_mm512_set1_epi16(int16_t(0x8000))),
+        exp_mask(_mm512_set1_epi16(0x0078)) {
+    alignas(64) uint16_t table[32] = {};
+    for (int m = 0; m < 8; ++m) table[m] = f32_to_bf16(float(m) * (1.0f / 131072.0f));  // m * 2^-17
+    subnormal = _mm512_load_si512(table);
+  }
+  // 16 columns (16c..16c+15) x k-pair p as bf16 pairs, times 2^-8.
+  __m512i weights(int64_t p, int c) const {
+    const __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(b + kPairBytes * p + 32 * c)));
+    const __m512i t = _mm512_slli_epi16(y, 4);                    // s at bit 15, e at 10..7, m at 6..4
+    __m512i v = _mm512_ternarylogic_epi32(t, mag, bias, 0xEA);    // (t & 0x07F0) | 0x3800
+    const __mmask32 sub = _mm512_testn_epi16_mask(y, exp_mask);  // e == 0: zero or subnormal
+    v = _mm512_mask_permutexvar_epi16(v, sub, y, subnormal);
+    return _mm512_ternarylogic_epi32(sign, t, v, 0xCA);          // sign from t, the rest from v
+  }
+  __m512 scale(int64_t chunk_index, int c) const {
+    return _mm512_mul_ps(_mm512_loadu_ps(scales + 64 * chunk_index + 16 * c), _mm512_set1_ps(256.0f));
+  }
+};
+
+// mxfp4 block: [Kp/2][64] bytes (code k | code k+1 << 4), then u8 e8m0 scale[Kp/32][64].
+struct Mxfp4 {
+  static constexpr int kPairBytes = 64;
+  const uint8_t* b;
+  const uint8_t* scales;
+  int64_t chunk = kMxfp4Group;
+  __m512i lut;
+  explicit Mxfp4(const GemmTile& t)
+      : b(static_cast<const uint8_t*>(t.b)), scales(b + 32 * t.k) {
+    alignas(64) uint16_t table[32];
+    for (int i = 0; i < 32; ++i) table[i] = f32_to_bf16(kE2m1[i & 15]);  // VPERMW reads 5 index bits
+    lut = _mm512_load_si512(table);
+  }
+  __m512i weights(int64_t p, int c) const {
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kPairBytes * p + 16 * c)));
+    const __m512i idx = _mm512_or_si512(d, _mm512_slli_epi32(d, 12));  // low word: code k, high word: code k+1
+    return _mm512_permutexvar_epi16(idx, lut);
+  }
+  __m512 scale(int64_t chunk_index, int c) const {  // 2^(e - 127) (e = 0 reads as 0)
+    const __m512i e = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 64 * chunk_index + 16 * c)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+  }
+};
+
+// y[r][c] = sum over chunks of scale * (the chunk's bf16 dot), R rows, widening the weights per k-pair.
+template <class F, int R>
+void chunked_dot(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
+  const F f(t);
+  const int32_t* a[R];
+  __m512 tot[R][4];
+  for (int r = 0; r < R; ++r) {
+    a[r] = static_cast<const int32_t*>(t.a_rows[r]);
+    for (int c = 0; c < 4; ++c) tot[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t k0 = 0, chunk = 0; k0 < t.k; k0 += f.chunk, ++chunk) {
+    const int64_t k1 = std::min(k0 + f.chunk, t.k);
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t p = k0 / 2; p < k1 / 2; ++p) {
+      for (int l = 0; l < F::kPairBytes / 64; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(f.b) + F::kPairBytes * p + kPrefetchBytes + 64 * l, _MM_HINT_T1);
+      for (int c = 0; c < 4; ++c) {
+        const __m512bh w = (__m512bh)f.weights(p, c);
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)_mm512_set1_epi32(a[r][p]), w);
+      }
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m512 s = f.scale(chunk, c);
+      for (int r = 0; r < R; ++r) tot[r][c] = _mm512_fmadd_ps(acc[r][c], s, tot[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) y[r][c] = (simd::f32x16)tot[r][c];
+}
+
+// bf16 pairs (16 columns x 2 k) times a per-column f32 scale, rounded back to bf16 pairs.
+inline __m512i scale_pairs(__m512i w, __m512 s) {
+  const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+  const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(odd, s), _mm512_mul_ps(even, s));
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, packed);
+}
+
+// The block as a dense bf16 kPairs block (scale folded in), in this thread's grow-only scratch.
+template <class F>
+const void* dequantize(const GemmTile& t) {
+  struct alignas(64) Line { uint8_t bytes[64]; };
+  thread_local std::vector<Line> scratch;
+  if (scratch.size() < size_t(2 * t.k)) scratch.resize(2 * t.k);  // 64 x Kp bf16
+  const F f(t);
+  __m512i* dst = reinterpret_cast<__m512i*>(scratch.data());
+  for (int64_t k0 = 0, chunk = 0; k0 < t.k; k0 += f.chunk, ++chunk) {
+    __m512 s[4];
+    for (int c = 0; c < 4; ++c) s[c] = f.scale(chunk, c);
+    for (int64_t p = k0 / 2; p < std::min(k0 + f.chunk, t.k) / 2; ++p)
+      for (int c = 0; c < 4; ++c) _mm512_store_si512(dst + 4 * p + c, scale_pairs(f.weights(p, c), s[c]));
+  }
+  return dst;
+}
+
+template <class F>
+struct A16Tiles {
+  template <int R>
+  struct Dot {
+    static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) { chunked_dot<F, R>(t, y); }
+  };
+  using Direct = qx86::Tiles<Dot, DType::kBFloat16, kDirectRows>;
+  static void w13(const GemmTile& t) {
+    if (t.rows < kScratchRows) return Direct::w13(t);
+    GemmTile dense = t;
+    dense.b = dequantize<F>(t);
+    avx512bf16_w13_tile(dense);
+  }
+  static void w2(const GemmTile& t) {
+    if (t.rows < kScratchRows) return Direct::w2(t);
+    GemmTile dense = t;
+    dense.b = dequantize<F>(t);
+    avx512bf16_w2_tile(dense);
+  }
+};
+
+}  // namespace
+
+const QuantKernel* quant_x86_avx512bf16(QuantFormat f) {
+  static const QuantKernel fp8{6, false, A16Tiles<Fp8>::w13, A16Tiles<Fp8>::w2};
+  static const QuantKernel mxfp4{6, false, A16Tiles<Mxfp4>::w13, A16Tiles<Mxfp4>::w2};
+  switch (f) {
+    case QuantFormat::kFp8W8A16: return &fp8;
+    case QuantFormat::kMxfp4W4A16: return &mxfp4;
+    default: return nullptr;
+  }
+}
 
 }  // namespace cpumoe

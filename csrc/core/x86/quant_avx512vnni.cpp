@@ -1,8 +1,131 @@
-// Quantized tiles of this ISA (see ../quant.h). Not written yet: no format has tiles here.
-#include "../quant.h"
+// x86 AVX-512 VNNI: int8_w8a8 and int4_w4a16 tiles with VPDPBUSD (u8 x s8 -> int32, four products a lane).
+//   int8: a block is [Kp/4][64][4] int8, so one 64-byte load is 16 columns x one k-quad and a row's k-quad
+//         is one 32-bit broadcast. VPDPBUSD wants one unsigned operand: the activations come as
+//         u = a + 128 (unsigned_activations) and 128 * colsum[n] is taken off once at the end. Up to
+//         6 rows x 64 columns of int32 accumulators (24 zmm); exact integer sums, one f32 rescale.
+//   int4: the codes (0..15) are the unsigned operand and the signed activations the signed one, so no
+//         offset at all: a 64-byte load & 0xF is 16 columns x one k-quad and >> 4 the next quad. Each group
+//         (g k) ends with tot += scale * (acc - zero * sum_G(a)) in f32; 4 rows (16 int32 + 16 f32 zmm).
+// Decode tiles (1-2 rows) stream the block from memory with an L2 prefetch 4 KB ahead, as the dense bf16
+// tile does. Measured on one Xeon (Emerald Rapids) core, 1 row, 1 GB of blocks, Kp = 2048 (w13 of
+// Qwen3-30B-A3B): see the figures in the commit message and the report; int8 1.9x, int4 3.3x bf16's time.
+#include <immintrin.h>
+
+#include "quant_tiles.h"
 
 namespace cpumoe {
+namespace {
 
-const QuantKernel* quant_x86_avx512vnni(QuantFormat) { return nullptr; }
+constexpr int kStreamRows = 2;
+constexpr int kPrefetchBytes = 4096;
+
+template <int R>
+inline void prefetch_lines(const void* p, int lines) {
+  if constexpr (R <= kStreamRows)
+    for (int l = 0; l < lines; ++l)
+      _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes + 64 * l, _MM_HINT_T1);
+}
+
+template <int R>
+struct Int8Dot {
+  static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
+    const __m512i* b = static_cast<const __m512i*>(t.b);
+    const int32_t* a[R];
+    __m512i acc[R][4];
+    for (int r = 0; r < R; ++r) {
+      a[r] = static_cast<const int32_t*>(t.a_rows[r]);
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
+    }
+    const int64_t quads = t.k / 4;
+    for (int64_t q = 0; q < quads; ++q) {
+      const __m512i* bq = b + 4 * q;
+      prefetch_lines<R>(bq, 4);
+      const __m512i w0 = _mm512_loadu_si512(bq), w1 = _mm512_loadu_si512(bq + 1);
+      const __m512i w2 = _mm512_loadu_si512(bq + 2), w3 = _mm512_loadu_si512(bq + 3);
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = _mm512_set1_epi32(a[r][q]);
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], x, w0);
+        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], x, w1);
+        acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], x, w2);
+        acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], x, w3);
+      }
+    }
+    const float* scale = reinterpret_cast<const float*>(b + t.k);  // after 64 * Kp bytes
+    const int32_t* colsum = reinterpret_cast<const int32_t*>(scale + 64);
+    for (int c = 0; c < 4; ++c) {
+      const __m512 sw = _mm512_loadu_ps(scale + 16 * c);
+      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16 * c), 7);  // 128 * colsum
+      for (int r = 0; r < R; ++r) {
+        const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(qx86::a8_scale(a[r], t.k)));
+        y[r][c] = (simd::f32x16)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], offset)), s);
+      }
+    }
+  }
+};
+
+template <int R>
+struct Int4Dot {
+  static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
+    const uint8_t* b = static_cast<const uint8_t*>(t.b);
+    const int64_t Kp = t.k, g = t.group;
+    const float* meta = reinterpret_cast<const float*>(b + 32 * Kp);  // per group: scale[64], zero[64]
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const int32_t* a[R];
+    const int32_t* sums[R];
+    __m512 tot[R][4];
+    for (int r = 0; r < R; ++r) {
+      a[r] = static_cast<const int32_t*>(t.a_rows[r]);
+      sums[r] = qx86::a8_sums(t.a_rows[r], Kp);
+      for (int c = 0; c < 4; ++c) tot[r][c] = _mm512_setzero_ps();
+    }
+    for (int64_t k0 = 0; k0 < Kp; k0 += g) {
+      __m512i acc[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
+      for (int64_t s = k0 / 8; s < (k0 + g) / 8; ++s) {  // k-octets: 256 bytes, 64 columns x 8 k
+        const __m512i* bs = reinterpret_cast<const __m512i*>(b + 256 * s);
+        prefetch_lines<R>(bs, 4);
+        for (int c = 0; c < 4; ++c) {
+          const __m512i raw = _mm512_loadu_si512(bs + c);
+          const __m512i lo = _mm512_and_si512(raw, low4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+          for (int r = 0; r < R; ++r) {
+            acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], lo, _mm512_set1_epi32(a[r][2 * s]));
+            acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], hi, _mm512_set1_epi32(a[r][2 * s + 1]));
+          }
+        }
+      }
+      const float* scale = meta + 128 * (k0 / g);
+      __m512 sum_a[R];
+      for (int r = 0; r < R; ++r) sum_a[r] = _mm512_set1_ps(float(qx86::a8_sum(sums[r], k0, k0 + g)));
+      for (int c = 0; c < 4; ++c) {
+        const __m512 sw = _mm512_loadu_ps(scale + 16 * c), zero = _mm512_loadu_ps(scale + 64 + 16 * c);
+        for (int r = 0; r < R; ++r) {
+          const __m512 v = _mm512_fnmadd_ps(zero, sum_a[r], _mm512_cvtepi32_ps(acc[r][c]));
+          tot[r][c] = _mm512_fmadd_ps(sw, v, tot[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sa = _mm512_set1_ps(qx86::a8_scale(a[r], Kp));
+      for (int c = 0; c < 4; ++c) y[r][c] = (simd::f32x16)_mm512_mul_ps(tot[r][c], sa);
+    }
+  }
+};
+
+using Int8Tiles = qx86::Tiles<Int8Dot, DType::kFloat32, 6>;
+using Int4Tiles = qx86::Tiles<Int4Dot, DType::kFloat32, 4>;
+
+}  // namespace
+
+const QuantKernel* quant_x86_avx512vnni(QuantFormat f) {
+  static const QuantKernel int8{6, true, Int8Tiles::w13, Int8Tiles::w2};
+  static const QuantKernel int4{4, false, Int4Tiles::w13, Int4Tiles::w2};
+  switch (f) {
+    case QuantFormat::kInt8W8A8: return &int8;
+    case QuantFormat::kInt4W4A16: return &int4;
+    default: return nullptr;
+  }
+}
 
 }  // namespace cpumoe

@@ -1,0 +1,68 @@
+// Shared by the quantized x86 units: reading the A8 activation row (quant.h) and turning a register-tile
+// dot product into w13/w2 tiles. A unit defines `template <int R> struct Dot { static void run(const
+// GemmTile&, simd::f32x16 (&y)[R][4]); }` (y = the 64 column dots of R rows, fully rescaled) in its own
+// anonymous namespace, so every instantiation below stays internal to the unit and its ISA flags.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "../quant.h"
+#include "../simd.h"
+
+namespace cpumoe {
+namespace qx86 {
+
+// A8 row: int8 (or u8) a[Kp], f32 scale at byte Kp, int32 sums[Kp/32] at byte Kp + 4.
+static inline float a8_scale(const void* row, int64_t Kp) {
+  float s;
+  std::memcpy(&s, static_cast<const uint8_t*>(row) + Kp, 4);
+  return s;
+}
+static inline const int32_t* a8_sums(const void* row, int64_t Kp) {
+  return reinterpret_cast<const int32_t*>(static_cast<const uint8_t*>(row) + Kp + 4);
+}
+// Sum of the row's activations over k in [k0, k1) (multiples of 32), from the per-32 sums.
+static inline int32_t a8_sum(const int32_t* sums, int64_t k0, int64_t k1) {
+  int32_t s = 0;
+  for (int64_t c = k0 / 32; c < k1 / 32; ++c) s += sums[c];
+  return s;
+}
+
+template <template <int> class Dot, DType Out, int R>
+static void w13_rows(const GemmTile& t) {
+  simd::f32x16 y[R][4];
+  Dot<R>::run(t, y);
+  for (int r = 0; r < R; ++r) simd::w13_epilogue<Out>(t, r, y[r][0], y[r][1], y[r][2], y[r][3]);
+}
+template <template <int> class Dot, int R>
+static void w2_rows(const GemmTile& t) {
+  simd::f32x16 y[R][4];
+  Dot<R>::run(t, y);
+  for (int r = 0; r < R; ++r) simd::w2_epilogue(t, r, y[r]);
+}
+
+// fns[n] = the n-row tile, n = 1..MaxRows, for run_row_tiles.
+template <template <int> class Dot, DType Out, int MaxRows>
+struct Tiles {
+  template <size_t... I>
+  static constexpr std::array<TileFn, MaxRows + 1> w13_fns(std::index_sequence<I...>) {
+    return {nullptr, &w13_rows<Dot, Out, int(I) + 1>...};
+  }
+  template <size_t... I>
+  static constexpr std::array<TileFn, MaxRows + 1> w2_fns(std::index_sequence<I...>) {
+    return {nullptr, &w2_rows<Dot, int(I) + 1>...};
+  }
+  static void w13(const GemmTile& t) {
+    static constexpr auto fns = w13_fns(std::make_index_sequence<MaxRows>());
+    run_row_tiles(t, fns.data(), MaxRows, dtype_size(Out));
+  }
+  static void w2(const GemmTile& t) {
+    static constexpr auto fns = w2_fns(std::make_index_sequence<MaxRows>());
+    run_row_tiles(t, fns.data(), MaxRows, 4);
+  }
+};
+
+}  // namespace qx86
+}  // namespace cpumoe
