@@ -1,8 +1,152 @@
-// Quantized tiles of this ISA (see ../quant.h). Not written yet: no format has tiles here.
-#include "../quant.h"
+// x86 AVX2: int8_w8a8 and int4_w4a16 tiles with VPMADDUBSW (u8 x s8 -> int16 pairs) + VPMADDWD (-> int32).
+// Both take the activations signed (unsigned_activations = false), and neither lets VPMADDUBSW saturate:
+//   int8: the unsigned operand is |w| (<= 128) and the signed one sign(a, w) = a * sgn(w) (|a| <= 127), so a
+//         pair is at most 2 * 128 * 127 = 32512 < 32767; then VPMADDWD by 1 widens each pair to int32.
+//   int4: the codes (0..15) are the unsigned operand, so a pair is at most 2 * 15 * 127 = 3810 and eight of
+//         them (one 32-k slice: 4 k-octets, low and high nibbles) add in int16 before one VPMADDWD.
+// A ymm is 8 columns x one k-quad of either block (quant.h), a row's k-quad one 32-bit broadcast. 16 ymm
+// registers hold 8 accumulators, so a register tile covers R rows x 64/R columns (R = 1, 2, 4) and walks
+// the block R times; decode (R = 1) streams it once with an L2 prefetch 4 KB ahead.
+#include <immintrin.h>
+
+#include "quant_tiles.h"
 
 namespace cpumoe {
+namespace {
 
-const QuantKernel* quant_x86_avx2(QuantFormat) { return nullptr; }
+constexpr int kPrefetchBytes = 4096;
+
+// Columns per pass: 8 accumulators (int8) or 4 + 4 (int4: int16 slice sums and int32 group sums).
+constexpr int int8_vectors(int R) { return R == 1 ? 8 : R == 2 ? 4 : 2; }  // R = 3: 2
+constexpr int int4_vectors(int R) { return R == 1 ? 4 : R == 2 ? 2 : 1; }  // R = 3: 1
+
+// Prefetches the lines of bytes [first, first + n) of a 256-byte k-row, 4 KB ahead, for 1-row tiles.
+template <int R>
+inline void prefetch_part(const uint8_t* row, int first, int n) {
+  if constexpr (R == 1)
+    for (int off = first & ~63; off < first + n; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes + off, _MM_HINT_T1);
+}
+
+template <int R>
+void store_rows(float (&ys)[R][64], simd::f32x16 (&y)[R][4]) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) y[r][c] = simd::load_f32(ys[r] + 16 * c);
+}
+
+template <int R>
+struct Int8Dot {
+  static constexpr int V = int8_vectors(R);
+  static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
+    const uint8_t* b = static_cast<const uint8_t*>(t.b);
+    const float* scale = reinterpret_cast<const float*>(b + 64 * t.k);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int32_t* a[R];
+    for (int r = 0; r < R; ++r) a[r] = static_cast<const int32_t*>(t.a_rows[r]);
+    float ys[R][64];
+    for (int v0 = 0; v0 < 8; v0 += V) {
+      __m256i acc[R][V];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_si256();
+      for (int64_t q = 0; q < t.k / 4; ++q) {
+        const uint8_t* bq = b + 256 * q + 32 * v0;
+        prefetch_part<R>(bq, 0, 32 * V);
+        for (int v = 0; v < V; ++v) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bq + 32 * v));
+          const __m256i w_abs = _mm256_abs_epi8(w);
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(a[r][q]), w);
+            acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x), ones));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 sa = _mm256_set1_ps(qx86::a8_scale(a[r], t.k));
+        for (int v = 0; v < V; ++v) {
+          const int n = 8 * (v0 + v);
+          const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scale + n), sa);
+          _mm256_storeu_ps(ys[r] + n, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]), s));
+        }
+      }
+    }
+    store_rows<R>(ys, y);
+  }
+};
+
+template <int R>
+struct Int4Dot {
+  static constexpr int V = int4_vectors(R);
+  static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
+    const uint8_t* b = static_cast<const uint8_t*>(t.b);
+    const int64_t Kp = t.k, g = t.group;
+    const float* meta = reinterpret_cast<const float*>(b + 32 * Kp);  // per group: scale[64], zero[64]
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int32_t* a[R];
+    const int32_t* sums[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = static_cast<const int32_t*>(t.a_rows[r]);
+      sums[r] = qx86::a8_sums(t.a_rows[r], Kp);
+    }
+    float ys[R][64];
+    for (int v0 = 0; v0 < 8; v0 += V) {
+      __m256 tot[R][V];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v) tot[r][v] = _mm256_setzero_ps();
+      for (int64_t k0 = 0; k0 < Kp; k0 += g) {
+        __m256i acc[R][V];
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_si256();
+        for (int64_t k32 = k0; k32 < k0 + g; k32 += 32) {
+          __m256i part[R][V];  // int16: at most 8 x 3810
+          for (int r = 0; r < R; ++r)
+            for (int v = 0; v < V; ++v) part[r][v] = _mm256_setzero_si256();
+          for (int64_t s = k32 / 8; s < k32 / 8 + 4; ++s) {
+            const uint8_t* bs = b + 256 * s + 32 * v0;
+            prefetch_part<R>(bs, 0, 32 * V);
+            for (int v = 0; v < V; ++v) {
+              const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 32 * v));
+              const __m256i lo = _mm256_and_si256(raw, low4);
+              const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+              for (int r = 0; r < R; ++r) {
+                part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[r][2 * s])));
+                part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[r][2 * s + 1])));
+              }
+            }
+          }
+          for (int r = 0; r < R; ++r)
+            for (int v = 0; v < V; ++v) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(part[r][v], ones));
+        }
+        const float* sw = meta + 128 * (k0 / g) + 8 * v0;
+        for (int r = 0; r < R; ++r) {
+          const __m256 sum_a = _mm256_set1_ps(float(qx86::a8_sum(sums[r], k0, k0 + g)));
+          for (int v = 0; v < V; ++v) {
+            const __m256 d = _mm256_fnmadd_ps(_mm256_loadu_ps(sw + 64 + 8 * v), sum_a, _mm256_cvtepi32_ps(acc[r][v]));
+            tot[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(sw + 8 * v), d, tot[r][v]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 sa = _mm256_set1_ps(qx86::a8_scale(a[r], Kp));
+        for (int v = 0; v < V; ++v) _mm256_storeu_ps(ys[r] + 8 * (v0 + v), _mm256_mul_ps(tot[r][v], sa));
+      }
+    }
+    store_rows<R>(ys, y);
+  }
+};
+
+using Int8Tiles = qx86::Tiles<Int8Dot, DType::kFloat32, 4>;
+using Int4Tiles = qx86::Tiles<Int4Dot, DType::kFloat32, 4>;
+
+}  // namespace
+
+const QuantKernel* quant_x86_avx2(QuantFormat f) {
+  static const QuantKernel int8{4, false, Int8Tiles::w13, Int8Tiles::w2};
+  static const QuantKernel int4{4, false, Int4Tiles::w13, Int4Tiles::w2};
+  switch (f) {
+    case QuantFormat::kInt8W8A8: return &int8;
+    case QuantFormat::kInt4W4A16: return &int4;
+    default: return nullptr;
+  }
+}
 
 }  // namespace cpumoe
