@@ -54,6 +54,9 @@ class Gptq(Layout):
             return unquantized_or_missing(ckpt, prefix, name)
         packed = read_checked(ckpt, name, (torch.int32,), (None, None))
         K, N = packed.shape[0] * 8, packed.shape[1]
+        if f"{prefix}.g_idx" in ckpt and ckpt.shape(f"{prefix}.g_idx")[0] != K:  # g_idx [K] tells K
+            raise CheckpointError(f"tensor {name!r} has shape {list(packed.shape)}, expected "
+                                  f"[{ckpt.shape(f'{prefix}.g_idx')[0] // 8}, {N}] (K/8 rows, from g_idx)")
         g = K if self.group_size == -1 else self.group_size
         divides(g, K, name)
         if N % 8:
