@@ -16,9 +16,8 @@ from cpumoe.loader.quantized import QuantizedCheckpoint
 from cpumoe.loader.quantized.convert import quantize_checkpoint
 from cpumoe.quant.formats import QuantFormat
 from cpumoe.quant.schemes import dequantize, quantize
-from cpumoe.synthetic import make_checkpoint, tiny_overrides
+from tests.loader.conftest import source_checkpoint
 
-PRESET = "qwen3-30b-a3b"
 EXPERTS = "model.layers.1.mlp.experts"
 # id -> quantize_checkpoint arguments. Tiny Qwen3: K is 64 (hidden) or 32 (expert I), so int4 groups of 32.
 CASES = {
@@ -35,15 +34,6 @@ CASES = {
 # relative error of the dequantized weight, per format (round to nearest on N(0, 0.02) weights)
 ERROR = {QuantFormat.INT8_W8A8: 0.02, QuantFormat.INT4_W4A16: 0.2, QuantFormat.FP8_W8A16: 0.05,
          QuantFormat.MXFP4_W4A16: 0.25}
-
-
-def source_checkpoint(path, **kw):
-    return make_checkpoint(PRESET, path, layers=2, vocab=300, overrides=tiny_overrides(PRESET), **kw)
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    return source_checkpoint(tmp_path_factory.mktemp("bf16"))
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -129,20 +119,6 @@ def test_sharded_source_and_output(tmp_path):
 
 
 # ---- gpt-oss: its fused MXFP4 experts -----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory):
-    """A tiny gpt-oss saved by transformers (experts gate_up_proj [E, H, 2I], down_proj [E, I, H]) and its mxfp4."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GptOssConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, head_dim=16, intermediate_size=32,
-                                       num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-                                       layer_types=["sliding_attention", "full_attention"])
-    src = tmp_path_factory.mktemp("gpt_oss")
-    transformers.GptOssForCausalLM(config).to(torch.bfloat16).save_pretrained(src)
-    return src, quantize_checkpoint(src, tmp_path_factory.mktemp("gpt_oss_mxfp4"), "mxfp4")
-
 
 def test_gpt_oss_mxfp4_experts(gpt_oss):
     src, result = gpt_oss
@@ -233,7 +209,8 @@ def permuted_g_idx(g):
 
 @pytest.mark.parametrize("tensors, config, match", [
     (drop(f"{Q}.qzeros"), None, f"{Q}.qzeros"),
-    (replace(f"{Q}.qweight", lambda q: q[:-4].contiguous()), None, rf"{Q}.qweight.*shape \[4, 64\], expected \[8, 64\]"),
+    (replace(f"{Q}.qweight", lambda q: q[:-4].contiguous()), None,
+     rf"{Q}.qweight.*shape \[4, 64\], expected \[8, 64\]"),
     (replace(f"{Q}.scales", lambda s: s[:1].contiguous()), None, f"{Q}.scales.*shape"),
     (replace(f"{Q}.scales", lambda s: s.to(torch.int16)), None, f"{Q}.scales.*int16"),
     (replace(f"{Q}.g_idx", permuted_g_idx), lambda c: c["quantization_config"].update(desc_act=True),
