@@ -177,7 +177,7 @@ int main(int argc, char** argv) {
   for (const std::string& f : cpumoe::cpu_features()) std::printf(" %s", f.c_str());
   std::printf("\n");
   for (const cpumoe::KernelInfo& k : cpumoe::kernel_paths())
-    std::printf("path %s: %s\n", k.name.c_str(), k.table ? "available" : ("unavailable, " + k.unavailable).c_str());
+    std::printf("path %s: %s\n", k.name.c_str(), k.unavailable.empty() ? "available" : ("unavailable, " + k.unavailable).c_str());
 
   const cpumoe::Parallel parallel = two_threads();
   for (int i = 1; i < argc; ++i) {
