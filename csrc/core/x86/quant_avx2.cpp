@@ -4,11 +4,10 @@
 //         pair is at most 2 * 128 * 127 = 32512 < 32767; then VPMADDWD by 1 widens each pair to int32.
 //   int4: the codes (0..15) are the unsigned operand, so a pair is at most 2 * 15 * 127 = 3810 and eight of
 //         them (one 32-k slice: 4 k-octets, low and high nibbles) add in int16 before one VPMADDWD.
+// Results are bit-identical to quant_generic's (same float operations and order, -ffp-contract=off).
 // A ymm is 8 columns x one k-quad of either block (quant.h), a row's k-quad one 32-bit broadcast. 16 ymm
 // registers hold 8 accumulators, so a register tile covers R rows x 64/R columns (R = 1, 2, 4) and walks
 // the block R times; decode (R = 1) streams it once with an L2 prefetch 4 KB ahead.
-#include <immintrin.h>
-
 #include "quant_tiles.h"
 
 namespace cpumoe {
@@ -64,8 +63,8 @@ struct Int8Dot {
         const __m256 sa = _mm256_set1_ps(qx86::a8_scale(a[r], t.k));
         for (int v = 0; v < V; ++v) {
           const int n = 8 * (v0 + v);
-          const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scale + n), sa);
-          _mm256_storeu_ps(ys[r] + n, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]), s));
+          const __m256 yw = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]), _mm256_loadu_ps(scale + n));
+          _mm256_storeu_ps(ys[r] + n, _mm256_mul_ps(yw, sa));
         }
       }
     }
@@ -119,9 +118,9 @@ struct Int4Dot {
         const float* sw = meta + 128 * (k0 / g) + 8 * v0;
         for (int r = 0; r < R; ++r) {
           const __m256 sum_a = _mm256_set1_ps(float(qx86::a8_sum(sums[r], k0, k0 + g)));
-          for (int v = 0; v < V; ++v) {
-            const __m256 d = _mm256_fnmadd_ps(_mm256_loadu_ps(sw + 64 + 8 * v), sum_a, _mm256_cvtepi32_ps(acc[r][v]));
-            tot[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(sw + 8 * v), d, tot[r][v]);
+          for (int v = 0; v < V; ++v) {  // unfused, in quant_generic's order (see the header)
+            const __m256 d = _mm256_sub_ps(_mm256_cvtepi32_ps(acc[r][v]), _mm256_mul_ps(_mm256_loadu_ps(sw + 64 + 8 * v), sum_a));
+            tot[r][v] = _mm256_add_ps(tot[r][v], _mm256_mul_ps(_mm256_loadu_ps(sw + 8 * v), d));
           }
         }
       }

@@ -7,11 +7,10 @@
 //        subnormals m * 2^-9 normal; those lanes come from a table). Exact; 2^8 goes into the f32 scale.
 //   mxfp4: zero-extend each byte to 32 bits, copy the high code to bits 16.. and VPERMW looks both codes up.
 // Each chunk (fp8: g k, mxfp4: 32 k) sums in f32 and is rescaled per column once.
-// Decode (1-2 rows) widens per register tile. Prefill widens each block once, with the scale folded in,
-// into a thread-local bf16 kPairs block and runs the dense tile on it (w * scale rounded to bf16 there).
+// Decode (1-2 rows) widens per register tile. Prefill widens each block once into a thread-local bf16
+// kPairs block: fp8 unscaled, run by the same chunked tile (3 rows); mxfp4 with its power-of-two scale
+// folded in (exact), run by the dense tile.
 // Measured on one Xeon (Emerald Rapids) core, see the report / commit message for the figures.
-#include <immintrin.h>
-
 #include <algorithm>
 #include <vector>
 
@@ -68,6 +67,21 @@ struct Fp8 {
   __m512 scale(int64_t chunk_index, int c) const {
     return _mm512_mul_ps(_mm512_loadu_ps(scales + 64 * chunk_index + 16 * c), _mm512_set1_ps(256.0f));
   }
+};
+
+// fp8 widened once for prefill (widen_fp8): exact bf16 pairs (x 2^-8) in the dense kPairs order, then the
+// block's scales already x 256: [Kp/2][64][2] bf16, f32 scale[ceil(Kp/g)][64].
+struct Fp8Widened {
+  static constexpr int kPairBytes = 256;
+  const uint8_t* b;
+  const float* scales;
+  int64_t chunk;
+  explicit Fp8Widened(const GemmTile& t)
+      : b(static_cast<const uint8_t*>(t.b)), scales(reinterpret_cast<const float*>(b + 128 * t.k)), chunk(t.group) {}
+  void row(int64_t p, __m512i (&w)[4]) const {
+    for (int c = 0; c < 4; ++c) w[c] = _mm512_load_si512(b + kPairBytes * p + 64 * c);
+  }
+  __m512 scale(int64_t chunk_index, int c) const { return _mm512_load_ps(scales + 64 * chunk_index + 16 * c); }
 };
 
 // mxfp4 block: [Kp/2][64] bytes (code k | code k+1 << 4), then u8 e8m0 scale[Kp/32][64].
@@ -215,18 +229,22 @@ inline __m512i scale_pairs(__m512i w, __m512 s) {
   return _mm512_permutexvar_epi16(interleave, packed);
 }
 
-// The block as a dense bf16 kPairs block (scale folded in), in this thread's grow-only scratch.
-template <class F>
-const void* dequantize(const GemmTile& t) {
+// This thread's grow-only scratch of at least `bytes`, 64-byte aligned.
+inline uint8_t* scratch(int64_t bytes) {
   struct alignas(64) Line { uint8_t bytes[64]; };
-  thread_local std::vector<Line> scratch;
-  if (scratch.size() < size_t(2 * t.k)) scratch.resize(2 * t.k);  // 64 x Kp bf16
-  const F f(t);
-  __m512i* dst = reinterpret_cast<__m512i*>(scratch.data());
+  thread_local std::vector<Line> lines;
+  if (lines.size() < size_t((bytes + 63) / 64)) lines.resize((bytes + 63) / 64);
+  return lines.data()->bytes;
+}
+
+// mxfp4 as a dense bf16 kPairs block with the scale folded in (exact: the scale is a power of two).
+const void* dequantize_mxfp4(const GemmTile& t) {
+  const Mxfp4 f(t);
+  __m512i* dst = reinterpret_cast<__m512i*>(scratch(128 * t.k));
   for (int64_t k0 = 0, chunk = 0; k0 < t.k; k0 += f.chunk, ++chunk) {
     __m512 s[4];
     for (int c = 0; c < 4; ++c) s[c] = f.scale(chunk, c);
-    for (int64_t p = k0 / 2; p < std::min(k0 + f.chunk, t.k) / 2; ++p) {
+    for (int64_t p = k0 / 2; p < (k0 + f.chunk) / 2; ++p) {
       __m512i w[4];
       f.row(p, w);
       for (int c = 0; c < 4; ++c) _mm512_store_si512(dst + 4 * p + c, scale_pairs(w[c], s[c]));
@@ -235,25 +253,63 @@ const void* dequantize(const GemmTile& t) {
   return dst;
 }
 
+// fp8 widened to Fp8Widened's layout. Folding its scales into bf16 as mxfp4 does would round w * scale
+// (up to 7.5e-3 of the largest output in the harness); the chunked tile keeps them in f32 at no cost here.
+const void* widen_fp8(const GemmTile& t) {
+  const Fp8 f(t);
+  const int64_t chunks = (t.k + t.group - 1) / t.group;
+  uint8_t* dst = scratch(128 * t.k + 256 * chunks);
+  for (int64_t p = 0; p < t.k / 2; ++p) {
+    __m512i w[4];
+    f.row(p, w);
+    for (int c = 0; c < 4; ++c) _mm512_store_si512(dst + 256 * p + 64 * c, w[c]);
+  }
+  float* scales = reinterpret_cast<float*>(dst + 128 * t.k);
+  for (int64_t chunk = 0; chunk < chunks; ++chunk)
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(scales + 64 * chunk + 16 * c, f.scale(chunk, c));
+  return dst;
+}
+
 template <int R>
 struct Fp8Dot {
   static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) { chunked_dot<Fp8, R>(t, y); }
 };
+template <int R>
+struct Fp8WidenedDot {
+  static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) { chunked_dot<Fp8Widened, R>(t, y); }
+};
 
-// Direct register tiles below kScratchRows rows, else the block dequantized once and the dense tile.
-template <class F, template <int> class Dot>
-struct A16Tiles {
-  using Direct = qx86::Tiles<Dot, DType::kBFloat16, kDirectRows>;
+// Below kScratchRows rows the register tiles widen the weights themselves; from there a call widens its
+// block once (fp8: 3-row chunked tiles, 12 + 12 accumulators; mxfp4: the dense 6-row tile).
+struct Fp8Tiles {
+  using Direct = qx86::Tiles<Fp8Dot, DType::kBFloat16, kDirectRows>;
+  using Widened = qx86::Tiles<Fp8WidenedDot, DType::kBFloat16, 3>;
+  static void w13(const GemmTile& t) {
+    if (t.rows < kScratchRows) return Direct::w13(t);
+    GemmTile wide = t;
+    wide.b = widen_fp8(t);
+    Widened::w13(wide);
+  }
+  static void w2(const GemmTile& t) {
+    if (t.rows < kScratchRows) return Direct::w2(t);
+    GemmTile wide = t;
+    wide.b = widen_fp8(t);
+    Widened::w2(wide);
+  }
+};
+
+struct Mxfp4Tiles {
+  using Direct = qx86::Tiles<Mxfp4Dot, DType::kBFloat16, kDirectRows>;
   static void w13(const GemmTile& t) {
     if (t.rows < kScratchRows) return Direct::w13(t);
     GemmTile dense = t;
-    dense.b = dequantize<F>(t);
+    dense.b = dequantize_mxfp4(t);
     avx512bf16_w13_tile(dense);
   }
   static void w2(const GemmTile& t) {
     if (t.rows < kScratchRows) return Direct::w2(t);
     GemmTile dense = t;
-    dense.b = dequantize<F>(t);
+    dense.b = dequantize_mxfp4(t);
     avx512bf16_w2_tile(dense);
   }
 };
@@ -261,9 +317,8 @@ struct A16Tiles {
 }  // namespace
 
 const QuantKernel* quant_x86_avx512bf16(QuantFormat f) {
-  static const QuantKernel fp8{6, false, A16Tiles<Fp8, Fp8Dot>::w13, A16Tiles<Fp8, Fp8Dot>::w2};
-  static const QuantKernel mxfp4{6, false, A16Tiles<Mxfp4, Mxfp4Dot>::w13,
-                                 A16Tiles<Mxfp4, Mxfp4Dot>::w2};
+  static const QuantKernel fp8{6, false, Fp8Tiles::w13, Fp8Tiles::w2};
+  static const QuantKernel mxfp4{6, false, Mxfp4Tiles::w13, Mxfp4Tiles::w2};
   switch (f) {
     case QuantFormat::kFp8W8A16: return &fp8;
     case QuantFormat::kMxfp4W4A16: return &mxfp4;

@@ -6,11 +6,12 @@
 //   int4: the codes (0..15) are the unsigned operand and the signed activations the signed one, so no
 //         offset at all: a 64-byte load & 0xF is 16 columns x one k-quad and >> 4 the next quad. Each group
 //         (g k) ends with tot += scale * (acc - zero * sum_G(a)) in f32; 4 rows (16 int32 + 16 f32 zmm).
+// Results are bit-identical to quant_generic's: the same float operations in the same order, none fused
+// (the file builds with -ffp-contract=off), so the per-token int8 re-quantization of the w13 output never
+// rounds differently from path to path (one flipped level costs ~1/127 of the row's largest value).
 // Decode tiles (1-2 rows) stream the block from memory with an L2 prefetch 4 KB ahead, as the dense bf16
 // tile does. Measured on one Xeon (Emerald Rapids) core, 1 row, 1 GB of blocks, Kp = 2048 (w13 of
 // Qwen3-30B-A3B): see the figures in the commit message and the report; int8 1.9x, int4 3.3x bf16's time.
-#include <immintrin.h>
-
 #include "quant_tiles.h"
 
 namespace cpumoe {
@@ -56,8 +57,8 @@ struct Int8Dot {
       const __m512 sw = _mm512_loadu_ps(scale + 16 * c);
       const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16 * c), 7);  // 128 * colsum
       for (int r = 0; r < R; ++r) {
-        const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(qx86::a8_scale(a[r], t.k)));
-        y[r][c] = (simd::f32x16)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], offset)), s);
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], offset)), sw);
+        y[r][c] = (simd::f32x16)_mm512_mul_ps(v, _mm512_set1_ps(qx86::a8_scale(a[r], t.k)));
       }
     }
   }
@@ -100,9 +101,9 @@ struct Int4Dot {
       for (int r = 0; r < R; ++r) sum_a[r] = _mm512_set1_ps(float(qx86::a8_sum(sums[r], k0, k0 + g)));
       for (int c = 0; c < 4; ++c) {
         const __m512 sw = _mm512_loadu_ps(scale + 16 * c), zero = _mm512_loadu_ps(scale + 64 + 16 * c);
-        for (int r = 0; r < R; ++r) {
-          const __m512 v = _mm512_fnmadd_ps(zero, sum_a[r], _mm512_cvtepi32_ps(acc[r][c]));
-          tot[r][c] = _mm512_fmadd_ps(sw, v, tot[r][c]);
+        for (int r = 0; r < R; ++r) {  // unfused, in quant_generic's order (see the header)
+          const __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_mul_ps(zero, sum_a[r]));
+          tot[r][c] = _mm512_add_ps(tot[r][c], _mm512_mul_ps(sw, v));
         }
       }
     }

@@ -3,6 +3,14 @@
 // GemmTile&, simd::f32x16 (&y)[R][4]); }` (y = the 64 column dots of R rows, fully rescaled) in its own
 // anonymous namespace, so every instantiation below stays internal to the unit and its ISA flags.
 #pragma once
+// GCC 12's AVX-512 headers pass their own _mm512_undefined_*() to the masked builtins and then warn about it
+// at every inlined use (GCC bug 105593, fixed in 13): silence that false positive for the quantized units.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+
 #include <array>
 #include <cstdint>
 #include <cstring>
