@@ -8,6 +8,9 @@
 // A ymm is 8 columns x one k-quad of either block (quant.h), a row's k-quad one 32-bit broadcast. 16 ymm
 // registers hold 8 accumulators, so a register tile covers R rows x 64/R columns (R = 1, 2, 4) and walks
 // the block R times; decode (R = 1) streams it once with an L2 prefetch 4 KB ahead.
+#include <algorithm>
+#include <vector>
+
 #include "quant_tiles.h"
 
 namespace cpumoe {
@@ -133,18 +136,140 @@ struct Int4Dot {
   }
 };
 
+// ---- fp8 / mxfp4: FMA in f32 over weights widened in registers, activations widened once per call ----
+
+// The rows' bf16 activations as f32, in this thread's scratch.
+template <int R>
+void widen_rows(const GemmTile& t, const float* (&a)[R]) {
+  thread_local std::vector<float> rows;
+  if (rows.size() < size_t(R * t.k)) rows.resize(R * t.k);
+  for (int r = 0; r < R; ++r) {
+    float* dst = rows.data() + r * t.k;
+    const uint16_t* src = static_cast<const uint16_t*>(t.a_rows[r]);
+    for (int64_t k = 0; k < t.k; k += 8)
+      _mm256_storeu_ps(dst + k, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                    _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k))), 16)));
+    a[r] = dst;
+  }
+}
+
+// fp8: the byte in the high half of a 16-bit word, shifted right by 1 (arithmetic) with bit 14 cleared, is
+// s 0eeee mmm0000000: the fp16 of the e4m3 value x 2^-8, subnormals included, which VCVTPH2PS widens
+// exactly. 16 bytes are 8 columns x a k-pair: the f32 lanes keep k interleaved against an (a[k], a[k+1])
+// broadcast, and each chunk's end adds the pairs (VHADDPS) and rescales.
+template <int R>
+struct Fp8Dot {
+  static constexpr int V = int4_vectors(R);  // 8-column groups per pass: 2V accumulators per row
+  static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
+    const uint8_t* b = static_cast<const uint8_t*>(t.b);
+    const float* scales = reinterpret_cast<const float*>(b + 64 * t.k);
+    const __m128i zero = _mm_setzero_si128(), clear14 = _mm_set1_epi16(int16_t(0xBFFF));
+    const __m256 unscale = _mm256_set1_ps(256.0f);
+    const float* a[R];
+    widen_rows<R>(t, a);
+    float ys[R][64] = {};
+    for (int v0 = 0; v0 < 8; v0 += V)
+      for (int64_t k0 = 0, chunk = 0; k0 < t.k; k0 += t.group, ++chunk) {
+        const int64_t k1 = std::min(k0 + t.group, t.k);
+        __m256 acc[R][V][2];
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < V; ++v) acc[r][v][0] = acc[r][v][1] = _mm256_setzero_ps();
+        for (int64_t p = k0 / 2; p < k1 / 2; ++p) {
+          const uint8_t* bp = b + 128 * p + 16 * v0;
+          prefetch_part<R>(bp, 0, 16 * V);
+          __m256 x[R];
+          for (int r = 0; r < R; ++r) x[r] = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(a[r] + 2 * p)));
+          for (int v = 0; v < V; ++v) {
+            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16 * v));
+            const __m256 lo = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, raw), 1), clear14));
+            const __m256 hi = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, raw), 1), clear14));
+            for (int r = 0; r < R; ++r) {
+              acc[r][v][0] = _mm256_fmadd_ps(lo, x[r], acc[r][v][0]);  // columns 0..3, k and k + 1
+              acc[r][v][1] = _mm256_fmadd_ps(hi, x[r], acc[r][v][1]);  // columns 4..7
+            }
+          }
+        }
+        for (int v = 0; v < V; ++v) {
+          const int n = 8 * (v0 + v);
+          const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scales + 64 * chunk + n), unscale);
+          for (int r = 0; r < R; ++r) {
+            const __m256 sum = _mm256_castpd_ps(_mm256_permute4x64_pd(
+                _mm256_castps_pd(_mm256_hadd_ps(acc[r][v][0], acc[r][v][1])), 0xD8));  // columns 0..7
+            _mm256_storeu_ps(ys[r] + n, _mm256_fmadd_ps(sum, s, _mm256_loadu_ps(ys[r] + n)));
+          }
+        }
+      }
+    store_rows<R>(ys, y);
+  }
+};
+
+// mxfp4: VPSHUFB maps the 16 codes to int8 2 x value (0, 1, 2, 3, 4, 6, 8, 12, negated), widened to f32; the
+// 1/2 joins the power-of-two scale. 16 bytes are 16 columns x a k-pair (low nibble k, high nibble k + 1).
+template <int R>
+struct Mxfp4Dot {
+  static constexpr int U = int4_vectors(R);  // 16-column groups per pass: 2U accumulators per row
+  static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
+    const uint8_t* b = static_cast<const uint8_t*>(t.b);
+    const uint8_t* scales = b + 32 * t.k;
+    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const float* a[R];
+    widen_rows<R>(t, a);
+    float ys[R][64] = {};
+    for (int u0 = 0; u0 < 4; u0 += U)
+      for (int64_t k0 = 0; k0 < t.k; k0 += kMxfp4Group) {
+        __m256 acc[R][U][2];
+        for (int r = 0; r < R; ++r)
+          for (int u = 0; u < U; ++u) acc[r][u][0] = acc[r][u][1] = _mm256_setzero_ps();
+        for (int64_t p = k0 / 2; p < (k0 + kMxfp4Group) / 2; ++p) {
+          const uint8_t* bp = b + 64 * p + 16 * u0;
+          prefetch_part<R>(bp, 0, 16 * U);
+          for (int u = 0; u < U; ++u) {
+            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16 * u));
+            const __m128i even = _mm_shuffle_epi8(table, _mm_and_si128(raw, low4));
+            const __m128i odd = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+            const __m256 w[2][2] = {{_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(even)),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(even, 8)))},
+                                    {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(odd)),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(odd, 8)))}};
+            for (int r = 0; r < R; ++r) {
+              const __m256 x0 = _mm256_broadcast_ss(a[r] + 2 * p), x1 = _mm256_broadcast_ss(a[r] + 2 * p + 1);
+              for (int h = 0; h < 2; ++h)
+                acc[r][u][h] = _mm256_fmadd_ps(w[1][h], x1, _mm256_fmadd_ps(w[0][h], x0, acc[r][u][h]));
+            }
+          }
+        }
+        for (int u = 0; u < U; ++u)
+          for (int h = 0; h < 2; ++h) {
+            const int n = 16 * (u0 + u) + 8 * h;
+            const __m128i e = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 2 * k0 + n));
+            const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(e), 23));  // 2^(e - 127)
+            const __m256 half_s = _mm256_mul_ps(s, _mm256_set1_ps(0.5f));
+            for (int r = 0; r < R; ++r)
+              _mm256_storeu_ps(ys[r] + n, _mm256_fmadd_ps(acc[r][u][h], half_s, _mm256_loadu_ps(ys[r] + n)));
+          }
+      }
+    store_rows<R>(ys, y);
+  }
+};
+
 using Int8Tiles = qx86::Tiles<Int8Dot, DType::kFloat32, 4>;
 using Int4Tiles = qx86::Tiles<Int4Dot, DType::kFloat32, 4>;
+using Fp8Tiles = qx86::Tiles<Fp8Dot, DType::kBFloat16, 4>;
+using Mxfp4Tiles = qx86::Tiles<Mxfp4Dot, DType::kBFloat16, 4>;
 
 }  // namespace
 
 const QuantKernel* quant_x86_avx2(QuantFormat f) {
   static const QuantKernel int8{4, false, Int8Tiles::w13, Int8Tiles::w2};
   static const QuantKernel int4{4, false, Int4Tiles::w13, Int4Tiles::w2};
+  static const QuantKernel fp8{4, false, Fp8Tiles::w13, Fp8Tiles::w2};
+  static const QuantKernel mxfp4{4, false, Mxfp4Tiles::w13, Mxfp4Tiles::w2};
   switch (f) {
     case QuantFormat::kInt8W8A8: return &int8;
     case QuantFormat::kInt4W4A16: return &int4;
-    default: return nullptr;
+    case QuantFormat::kFp8W8A16: return &fp8;
+    default: return &mxfp4;
   }
 }
 
