@@ -86,11 +86,11 @@ class DeepseekV3MoE(DeepseekV2MoE):
                          renormalize=renormalize, backend=backend)
         self.gate = DeepseekV3TopkRouter(hidden_size, num_experts)
 
-    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, expert_reader=None) -> None:  # see MoEBlock
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, expert_reader=None, dtype=None) -> None:  # see MoEBlock
         """As DeepseekV2MoE's, plus the router's correction bias (loaded before the experts)."""
         self.experts = FusedMoE(w13, w2, top_k=self.top_k, renormalize=self.renormalize, backend=self.backend,
                                 expert_reader=expert_reader, e_score_correction_bias=self.gate.e_score_correction_bias,
-                                **self.routing)
+                                dtype=dtype, **self.routing)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
