@@ -1,7 +1,8 @@
 // Runs cpumoe::fused_moe without PyTorch, so the Arm kernel paths can be tested under qemu-aarch64
 // (tests/kernels/arm/test_arm_qemu.py builds it statically with the cross compiler).
 //
-//   driver                prints the CPU features and every kernel path with whether it can run here
+//   driver                prints the CPU features, every kernel path with whether it can run here, and the
+//                         tiles (dense, quantized formats) of each that can
 //   driver CASE_DIR...    the same, then runs each case: reads CASE_DIR/meta.txt and the arrays beside it,
 //                         packs the weights for the case's kernel path, writes CASE_DIR/out.bin
 //
@@ -176,8 +177,14 @@ int main(int argc, char** argv) {
   std::printf("features:");
   for (const std::string& f : cpumoe::cpu_features()) std::printf(" %s", f.c_str());
   std::printf("\n");
-  for (const cpumoe::KernelInfo& k : cpumoe::kernel_paths())
-    std::printf("path %s: %s\n", k.name.c_str(), k.table ? "available" : ("unavailable, " + k.unavailable).c_str());
+  for (const cpumoe::KernelInfo& k : cpumoe::kernel_paths()) {
+    std::printf("path %s: %s\n", k.name.c_str(), k.unavailable.empty() ? "available" : ("unavailable, " + k.unavailable).c_str());
+    if (!k.unavailable.empty()) continue;
+    std::printf("tiles %s:%s", k.name.c_str(), k.table ? " dense" : "");
+    for (int f = 0; f < cpumoe::kNumQuantFormats; ++f)
+      if (k.quant[f]) std::printf(" %s", cpumoe::quant_format_name(cpumoe::QuantFormat(f)));
+    std::printf("\n");
+  }
 
   const cpumoe::Parallel parallel = two_threads();
   for (int i = 1; i < argc; ++i) {

@@ -47,8 +47,9 @@ def _run(cmd: list[str], what: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def driver(tmp_path_factory) -> Path:
-    """driver.cpp + the core + its Arm units, cross-compiled into one static aarch64 binary."""
+def binaries(tmp_path_factory) -> dict[str, Path]:
+    """The core + its Arm units, cross-compiled once and linked into two static aarch64 binaries: driver.cpp
+    (whole fused layers) and quant_tiles.cpp (the quantized tiles alone)."""
     missing = [tool for tool in (CXX, QEMU) if shutil.which(tool) is None]
     if missing:
         reason = f"{' and '.join(missing)} not installed (Debian packages g++-aarch64-linux-gnu, qemu-user-static)"
@@ -56,21 +57,28 @@ def driver(tmp_path_factory) -> Path:
             pytest.fail(reason)
         pytest.skip(reason)
     build = tmp_path_factory.mktemp("arm-build")
-    flags = list(CXXFLAGS)
     isa_flags = _isa_flags()
-    sources = sorted([*(ROOT / "csrc/core").glob("*.cpp"), *(ROOT / "csrc/core/arm").glob("*.cpp"),
-                      Path(__file__).with_name("driver.cpp")])
+    core = sorted([*(ROOT / "csrc/core").glob("*.cpp"), *(ROOT / "csrc/core/arm").glob("*.cpp")])
+    mains = [Path(__file__).with_name("driver.cpp"), Path(__file__).with_name("quant_tiles.cpp")]
 
     def compile_one(src: Path) -> Path:
         obj = build / f"{src.stem}.o"
-        _run([CXX, *flags, *isa_flags.get(src.name, []), "-c", str(src), "-o", str(obj)], f"compiling {src.name}")
+        _run([CXX, *CXXFLAGS, *isa_flags.get(src.name, []), "-c", str(src), "-o", str(obj)], f"compiling {src.name}")
         return obj
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        objects = list(pool.map(compile_one, sources))
-    binary = build / "driver"
-    _run([CXX, "-static", "-pthread", *map(str, objects), "-o", str(binary)], "linking the driver")
-    return binary
+        objects = list(pool.map(compile_one, core + mains))
+    binaries = {}
+    for main, obj in zip(mains, objects[len(core):]):
+        binaries[main.stem] = build / main.stem
+        _run([CXX, "-static", "-pthread", *map(str, objects[:len(core)]), str(obj), "-o", str(binaries[main.stem])],
+             f"linking {main.stem}")
+    return binaries
+
+
+@pytest.fixture(scope="module")
+def driver(binaries) -> Path:
+    return binaries["driver"]
 
 
 def _paths(driver: Path, cpu: str) -> dict[str, str]:
@@ -79,16 +87,42 @@ def _paths(driver: Path, cpu: str) -> dict[str, str]:
     return dict(re.findall(r"^path (\S+): (.*)$", out, flags=re.M))
 
 
-def test_both_paths_available_on_cpu_max(driver):
+def _tiles(driver: Path, cpu: str) -> dict[str, list[str]]:
+    """{path name: its tiles ("dense" and quantized format names)} for the paths that can run on `cpu`."""
+    out = _run([QEMU, "-cpu", cpu, str(driver)], f"driver on -cpu {cpu}")
+    return {name: tiles.split() for name, tiles in re.findall(r"^tiles (\S+):(.*)$", out, flags=re.M)}
+
+
+def test_paths_available_on_cpu_max(driver):
     paths = _paths(driver, "max")
-    assert paths["arm-bfmmla"] == "available", paths
-    assert paths["arm-neon"] == "available", paths
+    for name in ("arm-bfmmla", "arm-i8mm", "arm-dotprod", "arm-neon"):
+        assert paths[name] == "available", paths
+    tiles = _tiles(driver, "max")
+    assert tiles["arm-i8mm"] == tiles["arm-dotprod"] == ["int8_w8a8", "int4_w4a16"], tiles
 
 
 def test_bfmmla_unavailable_without_bf16(driver):
     paths = _paths(driver, "cortex-a57")  # Armv8.0: NEON only
     assert "CPU lacks bf16" in paths["arm-bfmmla"], paths
+    assert "CPU lacks i8mm" in paths["arm-i8mm"], paths
+    assert "CPU lacks asimddp" in paths["arm-dotprod"], paths
     assert paths["arm-neon"] == "available", paths
+
+
+def test_i8mm_unavailable_on_dotprod_cpu(driver):
+    paths = _paths(driver, "cortex-a76")  # Armv8.2 + dotprod, no i8mm or bf16
+    assert "CPU lacks i8mm" in paths["arm-i8mm"], paths
+    assert paths["arm-dotprod"] == "available", paths
+
+
+@pytest.mark.parametrize("cpu", ["max", "cortex-a76"])
+def test_quant_tiles_match_scalar_reference(binaries, cpu):
+    """Every Arm A8 tile (row counts 1..9, int4 groups, activations, bias, row_scale, w2 edge) against a scalar
+    float64 reading of quant.h, within 1e-5 of each tile's largest |reference|; cortex-a76 runs arm-dotprod
+    alone (it lacks i8mm)."""
+    out = _run([QEMU, "-cpu", cpu, str(binaries["quant_tiles"]), "1e-5"], f"quant_tiles on -cpu {cpu}")
+    assert out.rstrip().endswith("ok"), out
+    assert ("arm-i8mm: skipped" in out) == (cpu != "max"), out
 
 
 @dataclass(frozen=True)
