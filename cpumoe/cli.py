@@ -3,6 +3,7 @@
     cpumoe info [--preset P] [--dtype bf16]        this CPU, the experts paths, and which one a layer gets
     cpumoe bench layer --preset P --tokens 1,8,..  time one MoE layer on every path this CPU can run
     cpumoe make-model --preset P --layers N --out D  write a synthetic Hugging Face checkpoint of a real model
+    cpumoe quantize SRC DST --format F [--layout L]  a float checkpoint -> a public quantized layout
     cpumoe generate MODEL --prompt TEXT [--chat]    stream a completion from a local checkpoint, then tokens/s
     cpumoe serve MODEL [--host H --port P --api-key K]  an OpenAI-compatible server (/v1/completions, /v1/chat/...)
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_info(commands)
     _add_bench(commands)
     _add_make_model(commands)
+    _add_quantize(commands)
     _add_generate(commands)
     _add_serve(commands)
     return parser
@@ -295,6 +297,43 @@ def _size(nbytes: int) -> str:
         if nbytes < 1000 or unit == "GB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
         nbytes /= 1000
+
+
+# ---- cpumoe quantize --------------------------------------------------------------------------------------------
+
+def _add_quantize(commands) -> None:
+    p = commands.add_parser("quantize", help="write a float checkpoint in a public quantized layout")
+    p.add_argument("src", metavar="SRC", help="a float (bf16) checkpoint directory")
+    p.add_argument("dst", metavar="DST", help="output directory (new or empty)")
+    p.add_argument("--format", required=True, help="int8_w8a8, int4_w4a16, fp8_w8a16 or mxfp4 (or int8, int4, fp8)")
+    p.add_argument("--layout", choices=["compressed-tensors", "gptq", "awq", "fp8", "mxfp4"],
+                   help="on-disk layout (default: compressed-tensors; fp8: block FP8; mxfp4: gpt-oss's own for "
+                        "gpt-oss, compressed-tensors otherwise)")
+    p.add_argument("--group-size", type=int, help="int4 group / fp8 block along K (default 128)")
+    p.add_argument("--asymmetric", action="store_true", help="int4 with zero points (AWQ always has them)")
+    p.add_argument("--max-shard-gb", type=float, default=2.0, help="shard size in GB at most (default 2)")
+    p.set_defaults(func=_cmd_quantize)
+
+
+def _cmd_quantize(args) -> int:
+    from rich.progress import Progress
+
+    from cpumoe.loader.quantized.convert import quantize_checkpoint
+
+    console = _console()
+    try:
+        with Progress(console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("quantizing", total=None)
+            result = quantize_checkpoint(args.src, args.dst, args.format, layout=args.layout,
+                                         group_size=args.group_size, symmetric=False if args.asymmetric else None,
+                                         max_shard_bytes=max(1, int(args.max_shard_gb * 1024**3)),
+                                         progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except ValueError as e:   # an unknown format or layout, a checkpoint that is missing, quantized or unfit
+        sys.exit(f"cpumoe quantize: error: {e}")
+    size = sum((result.path / f).stat().st_size for f in result.files)
+    console.print(f"{len(result.quantized)} linears quantized ({result.layout}), {len(result.unquantized)} kept in "
+                  f"float; {len(result.files)} shard(s), {_size(size)} -> {result.path}")
+    return 0
 
 
 # ---- cpumoe serve -----------------------------------------------------------------------------------------------

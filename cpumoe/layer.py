@@ -1,6 +1,9 @@
 """cpumoe.FusedMoE: a Mixture-of-Experts experts layer as an nn.Module.
 
     router_logits -> select_experts -> [chosen path: pack once at construction] -> fused experts -> [M, H]
+
+Weights are float tensors, float tensors quantized at construction (quant="int8_w8a8" | "int4_w4a16" |
+"fp8_w8a16" | "mxfp4_w4a16"), or already-quantized cpumoe.quant.QuantizedWeight stacks (FusedMoE.from_quantized).
 """
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ import torch
 from torch import nn
 
 from cpumoe.experts import ExpertsConfig, choose_path
-from cpumoe.experts.base import ExpertReader
+from cpumoe.experts.base import ExpertReader, QuantExpertReader
+from cpumoe.quant import QuantFormat, QuantizedWeight, parse_format, quantize
 from cpumoe.routing import select_experts
 
 
@@ -30,9 +34,28 @@ class FusedMoE(nn.Module):
                  num_experts: int | None = None, apply_router_weight_on_input: bool = False,
                  num_expert_group: int | None = None, topk_group: int | None = None,
                  e_score_correction_bias: torch.Tensor | None = None, routed_scaling_factor: float = 1.0,
-                 backend: str = "auto", expert_reader: ExpertReader | None = None):
+                 backend: str = "auto", expert_reader: ExpertReader | None = None,
+                 quant: str | QuantFormat | None = None, group_size: int | None = None,
+                 dtype: torch.dtype | None = None):
+        """quant/group_size: quantize w13/w2 to that format now. dtype: the activations' dtype of a quantized
+        layer (default: the float weights' dtype for int8/int4, bfloat16 for fp8/mxfp4, which take only that)."""
         super().__init__()
-        _check_weights(w13, w2, w13_bias, w2_bias)
+        quantized = isinstance(w13, QuantizedWeight)
+        if quant is not None and not quantized:  # quantize the float weights now, as cpumoe.quant.quantize does
+            if expert_reader is not None:
+                raise ValueError("quant= quantizes given weights; with an expert_reader use from_quantized")
+            fmt = parse_format(quant)
+            dtype = dtype or (w13.dtype if fmt.int8_activations else torch.bfloat16)
+            w13, w2 = quantize(w13, fmt, group_size), quantize(w2, fmt, group_size)
+            quantized = True
+        if quantized:
+            dtype = dtype or torch.bfloat16
+            _check_quantized(w13, w2, w13_bias, w2_bias)
+        else:
+            _check_weights(w13, w2, w13_bias, w2_bias)
+            if dtype is not None and dtype != w13.dtype:
+                raise ValueError(f"dtype={dtype} differs from the unquantized weights' {w13.dtype}")
+            dtype = w13.dtype
         local_experts, two_inter, hidden = w13.shape
         self.num_experts = num_experts if num_experts is not None else local_experts
         if expert_map is not None:
@@ -50,15 +73,42 @@ class FusedMoE(nn.Module):
                             routed_scaling_factor=routed_scaling_factor)
         self.expert_map = expert_map
         self.config = ExpertsConfig(
-            hidden_size=hidden, inter_size=two_inter // 2, num_experts=local_experts, top_k=top_k, dtype=w13.dtype,
+            hidden_size=hidden, inter_size=two_inter // 2, num_experts=local_experts, top_k=top_k, dtype=dtype,
             activation=activation, has_bias=w13_bias is not None or w2_bias is not None,
-            expert_parallel=expert_map is not None, apply_router_weight_on_input=apply_router_weight_on_input)
+            expert_parallel=expert_map is not None, apply_router_weight_on_input=apply_router_weight_on_input,
+            quantization=w13.format.value if quantized else "none",
+            group_size=_op_group(w13, w2) if quantized else 0)
         self.path = choose_path(self.config, backend)
-        if expert_reader is None:
+        if quantized and expert_reader is None:
+            self.prepared = self.path.prepare_quantized(self.config, w13, w2, w13_bias, w2_bias)
+        elif quantized:
+            self.prepared = self.path.prepare_quantized_experts(self.config, local_experts,
+                                                                _checked_quantized(expert_reader, w13, w2),
+                                                                w13_bias, w2_bias)
+        elif expert_reader is None:
             self.prepared = self.path.prepare(w13, w2, w13_bias, w2_bias)
         else:
             self.prepared = self.path.prepare_experts(local_experts, _checked(expert_reader, w13, w2), w13_bias,
                                                       w2_bias)
+
+    @classmethod
+    def from_quantized(cls, w13: QuantizedWeight | None, w2: QuantizedWeight | None, *, top_k: int,
+                       dtype: torch.dtype = torch.bfloat16, num_local_experts: int | None = None,
+                       expert_reader: QuantExpertReader | None = None, **kwargs) -> FusedMoE:
+        """A layer over already-quantized weights, as a checkpoint loader has them: w13 [E, 2I, H] and w2 [E, H, I]
+        QuantizedWeight stacks, or (w13=w2=None) num_local_experts and expert_reader(e) -> (w13_e, w2_e), read
+        and packed one expert at a time. dtype: of the activations (the A16 formats take bfloat16)."""
+        if w13 is None or w2 is None:
+            if expert_reader is None or not num_local_experts:
+                raise ValueError("from_quantized needs w13 and w2, or num_local_experts and an expert_reader")
+            first13, first2 = expert_reader(0)
+            w13, w2 = _shape_only(first13, num_local_experts), _shape_only(first2, num_local_experts)
+        return cls(w13, w2, top_k=top_k, expert_reader=expert_reader, dtype=dtype, **kwargs)
+
+    @property
+    def quantization(self) -> str:
+        """The weights' format ("none" when unquantized)."""
+        return self.config.quantization
 
     @property
     def backend(self) -> str:
@@ -81,8 +131,9 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
+        quant = f", quantization={c.quantization}" if c.quantization != "none" else ""
         return (f"experts={self.num_experts}, hidden={c.hidden_size}, inter={c.inter_size}, top_k={c.top_k}, "
-                f"dtype={c.dtype}, activation={c.activation}, backend={self.backend}")
+                f"dtype={c.dtype}{quant}, activation={c.activation}, backend={self.backend}")
 
 
 def _checked(read_expert: ExpertReader, w13: torch.Tensor, w2: torch.Tensor) -> ExpertReader:
@@ -100,15 +151,60 @@ def _checked(read_expert: ExpertReader, w13: torch.Tensor, w2: torch.Tensor) -> 
 def _check_weights(w13, w2, w13_bias, w2_bias) -> None:
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {list(w13.shape)} and {list(w2.shape)}")
-    E, two_inter, hidden = w13.shape
-    if two_inter % 2:
-        raise ValueError(f"w13's second dimension must be 2*I (gate rows then up rows), got {two_inter}")
-    if w2.shape != (E, hidden, two_inter // 2):
-        raise ValueError(f"w2 must be [E={E}, H={hidden}, I={two_inter // 2}] to match w13 {list(w13.shape)}, "
-                         f"got {list(w2.shape)}")
+    _check_shapes(tuple(w13.shape), tuple(w2.shape), w13_bias, w2_bias)
     if w13.dtype != w2.dtype or w13.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"w13 and w2 must share one dtype of float32/bfloat16/float16, got {w13.dtype}, {w2.dtype}")
+
+
+def _check_shapes(w13_shape, w2_shape, w13_bias, w2_bias) -> None:
+    E, two_inter, hidden = w13_shape
+    if two_inter % 2:
+        raise ValueError(f"w13's second dimension must be 2*I (gate rows then up rows), got {two_inter}")
+    if tuple(w2_shape) != (E, hidden, two_inter // 2):
+        raise ValueError(f"w2 must be [E={E}, H={hidden}, I={two_inter // 2}] to match w13 {list(w13_shape)}, "
+                         f"got {list(w2_shape)}")
     if w13_bias is not None and w13_bias.shape != (E, two_inter):
         raise ValueError(f"w13_bias must be [E={E}, 2I={two_inter}], got {list(w13_bias.shape)}")
     if w2_bias is not None and w2_bias.shape != (E, hidden):
         raise ValueError(f"w2_bias must be [E={E}, H={hidden}], got {list(w2_bias.shape)}")
+
+
+def _shape_only(w: QuantizedWeight, experts: int) -> QuantizedWeight:
+    """A stack of `experts` copies of w's shapes on the meta device: what the layer checks before reading."""
+    meta = lambda t: None if t is None else torch.empty((experts, *t.shape), dtype=t.dtype, device="meta")  # noqa: E731
+    return QuantizedWeight(w.format, meta(w.qweight), meta(w.scales), meta(w.zeros), w.group_size)
+
+
+def _op_group(w13: QuantizedWeight, w2: QuantizedWeight) -> int:
+    """The one group size the kernels take for both matrices: the format's group, or 0 for a whole row."""
+    if w13.group_size == w2.group_size:
+        return w13.group_size
+    if w13.group_size == w13.shape[-1] and w2.group_size == w2.shape[-1]:
+        return 0
+    raise ValueError(f"w13 and w2 must share a group size (or both be per channel), got {w13.group_size} and "
+                     f"{w2.group_size}")
+
+
+def _check_quantized(w13: QuantizedWeight, w2: QuantizedWeight, w13_bias, w2_bias) -> None:
+    if not isinstance(w2, QuantizedWeight) or w13.format is not w2.format:
+        raise ValueError("w13 and w2 must be QuantizedWeights of one format")
+    if w13.qweight.device.type != "meta":
+        w13.validate("w13")
+        w2.validate("w2")
+    if len(w13.shape) != 3 or len(w2.shape) != 3:
+        raise ValueError(f"quantized w13 must be [E, 2I, H] and w2 [E, H, I]; got {list(w13.shape)} and "
+                         f"{list(w2.shape)}")
+    _check_shapes(w13.shape, w2.shape, w13_bias, w2_bias)
+
+
+def _checked_quantized(read_expert: QuantExpertReader, w13: QuantizedWeight, w2: QuantizedWeight) -> QuantExpertReader:
+    """read_expert, checking each expert against the declared format and shapes."""
+    def read(e: int):
+        w13_e, w2_e = read_expert(e)
+        for name, got, want in (("w13", w13_e, w13), ("w2", w2_e, w2)):
+            if got.format is not want.format or got.shape != want.shape[1:] or got.group_size != want.group_size:
+                raise ValueError(f"expert {e}: {name} is {got.format.value} {list(got.shape)} group {got.group_size}, "
+                                 f"expected {want.format.value} {list(want.shape[1:])} group {want.group_size}")
+            got.validate(f"expert {e} {name}")
+        return w13_e, w2_e
+    return read

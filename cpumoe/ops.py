@@ -63,6 +63,37 @@ def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.cpumoe.linear(x, packed_weight, bias, path=path, out_features=out_features)
 
 
+def quant_packed_shape(format: str, rows: int, cols: int, group_size: int, w13: bool) -> tuple[int, int]:
+    """(blocks, bytes per block) of one packed quantized matrix [rows, cols] (group_size 0: a whole row)."""
+    return _C.quant_packed_shape(format, rows, cols, group_size, w13)
+
+
+def pack_quant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *, format: str,
+               group_size: int, w13: bool) -> torch.Tensor:
+    """Canonical quantized weights (cpumoe.quant.QuantizedWeight tensors) [E, N, K] -> uint8 blocks
+    [E, blocks, bytes] in csrc/core/quant.h's layout of `format` (one layout for every path)."""
+    return torch.ops.cpumoe.pack_quant(qweight, scales, zeros, format=format, group_size=group_size, w13=w13)
+
+
+def fused_experts_quant(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, *, path: str, format: str, group_size: int, activation: str = "silu",
+                        w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                        expert_map: torch.Tensor | None = None,
+                        apply_router_weight_on_input: bool = False) -> torch.Tensor:
+    """The fused experts op over quantized weights packed by pack_quant."""
+    return torch.ops.cpumoe.fused_experts_quant(
+        hidden_states, w13, w2, topk_weights, topk_ids, path=path, format=format, group_size=group_size,
+        activation=activation, w13_bias=w13_bias, w2_bias=w2_bias, expert_map=expert_map,
+        apply_router_weight_on_input=apply_router_weight_on_input)
+
+
+def linear_quant(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, *, path: str, format: str,
+                 group_size: int, out_features: int) -> torch.Tensor:
+    """x [..., K] -> [..., out_features] over a quantized weight packed by pack_quant(w13=False)."""
+    return torch.ops.cpumoe.linear_quant(x, packed_weight, bias, path=path, format=format, group_size=group_size,
+                                         out_features=out_features)
+
+
 def cpu_features() -> list[str]:
     return list(_C.cpu_features())
 
@@ -96,3 +127,20 @@ def _linear_fake(x, w, bias, *, path, out_features):
 def _fused_experts_fake(hidden_states, w13, w2, topk_weights, topk_ids, *, path, activation, w13_bias=None,
                         w2_bias=None, expert_map=None, apply_router_weight_on_input=False):
     return torch.empty_like(hidden_states)
+
+
+@torch.library.register_fake("cpumoe::pack_quant")
+def _pack_quant_fake(qweight, scales, zeros, *, format, group_size, w13):
+    blocks, nbytes = quant_packed_shape(format, qweight.shape[1], qweight.shape[2], group_size, w13)
+    return qweight.new_empty((qweight.shape[0], blocks, nbytes), dtype=torch.uint8)
+
+
+@torch.library.register_fake("cpumoe::fused_experts_quant")
+def _fused_experts_quant_fake(hidden_states, w13, w2, topk_weights, topk_ids, *, path, format, group_size, activation,
+                              w13_bias=None, w2_bias=None, expert_map=None, apply_router_weight_on_input=False):
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.register_fake("cpumoe::linear_quant")
+def _linear_quant_fake(x, w, bias, *, path, format, group_size, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))

@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 
+from cpumoe.quant import QuantizedWeight, stack
 from cpumoe.reference import ACTIVATIONS
 
 
-# read_expert(e) -> (w13_e [2I, H] gate rows then up rows, w2_e [H, I])
+# read_expert(e) -> (w13_e [2I, H] gate rows then up rows, w2_e [H, I]); for quantized layers, QuantizedWeights
 ExpertReader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+QuantExpertReader = Callable[[int], tuple[QuantizedWeight, QuantizedWeight]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,12 +26,13 @@ class ExpertsConfig:
     inter_size: int
     num_experts: int                      # experts held locally (rows of w13/w2)
     top_k: int
-    dtype: torch.dtype
+    dtype: torch.dtype                    # of the activations (and of unquantized weights)
     activation: str = "silu"
     has_bias: bool = False
     expert_parallel: bool = False         # an expert_map drops experts not on this shard
     apply_router_weight_on_input: bool = False
-    quantization: str = "none"            # later: "int8_w8a8", "int4_w4a16", "fp8_w8a16", "mxfp4"
+    quantization: str = "none"            # or a cpumoe.quant.QuantFormat value: "int8_w8a8", "int4_w4a16", ...
+    group_size: int = 0                   # quantized: the format's group (0: a whole row)
 
 
 @dataclass(slots=True)
@@ -69,6 +72,18 @@ class ExpertsPath:
         del pairs
         return self.prepare(w13, w2, w13_bias, w2_bias)
 
+    def prepare_quantized(self, config: ExpertsConfig, w13: QuantizedWeight, w2: QuantizedWeight,
+                          w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None) -> PreparedExperts:
+        """As prepare, from quantized stacks w13 [E, 2I, H] and w2 [E, H, I] (config.quantization is their format)."""
+        raise NotImplementedError
+
+    def prepare_quantized_experts(self, config: ExpertsConfig, num_experts: int, read_expert: QuantExpertReader,
+                                  w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None) -> PreparedExperts:
+        """As prepare_quantized, one expert at a time. This default stacks them first."""
+        pairs = [read_expert(e) for e in range(num_experts)]
+        return self.prepare_quantized(config, stack([p[0] for p in pairs]), stack([p[1] for p in pairs]), w13_bias,
+                                      w2_bias)
+
     def apply(self, prepared: PreparedExperts, config: ExpertsConfig, hidden_states: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -78,9 +93,7 @@ class ExpertsPath:
 
 
 def check_common(config: ExpertsConfig) -> tuple[bool, str]:
-    """Checks every unquantized path shares."""
-    if config.quantization != "none":
-        return False, f"takes unquantized weights only, not {config.quantization}"
+    """Checks every path shares."""
     if config.activation not in ACTIVATIONS:
         return False, f"no activation {config.activation!r}"
     if config.apply_router_weight_on_input and config.top_k != 1:

@@ -1,12 +1,14 @@
 """The naive path: a per-expert Python loop of PyTorch GEMMs in the input dtype, as a plain `nn.Module` MoE
 block runs it (transformers' eager experts). It is the baseline the fused kernels are measured against and
-the last resort of the oracle."""
+the last resort of the oracle. Quantized layers run here on weights dequantized at load to the activation dtype
+(no activation quantization): the "dequantize and run dense" baseline."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from cpumoe.experts.base import ExpertsConfig, ExpertsPath, PreparedExperts, check_common
+from cpumoe.quant import dequantize
 from cpumoe.reference import activate
 
 
@@ -18,6 +20,9 @@ class NaiveExperts(ExpertsPath):
 
     def prepare(self, w13, w2, w13_bias, w2_bias) -> PreparedExperts:
         return PreparedExperts(w13=w13.contiguous(), w2=w2.contiguous(), w13_bias=w13_bias, w2_bias=w2_bias)
+
+    def prepare_quantized(self, config, w13, w2, w13_bias, w2_bias) -> PreparedExperts:
+        return self.prepare(dequantize(w13).to(config.dtype), dequantize(w2).to(config.dtype), w13_bias, w2_bias)
 
     def apply(self, prepared, config, hidden_states, topk_weights, topk_ids, expert_map):
         x = hidden_states

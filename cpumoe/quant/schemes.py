@@ -24,7 +24,8 @@ def quantize(weight: torch.Tensor, format: str | QuantFormat, group_size: int | 
     if f is QuantFormat.INT8_W8A8:
         return quantize_int8(w)
     if f is QuantFormat.INT4_W4A16:
-        return quantize_int4(w, group_size or min(128, w.shape[-1]), symmetric)
+        K = w.shape[-1]
+        return quantize_int4(w, group_size or (128 if K % 128 == 0 else K), symmetric)
     if f is QuantFormat.FP8_W8A16:
         return quantize_fp8(w, group_size or FP8_BLOCK)
     return quantize_mxfp4(w)

@@ -89,12 +89,49 @@ void parallel_items(const Parallel& parallel, int64_t n, const std::function<voi
   });
 }
 
+namespace {
+
+// Where the blocks are and what the tiles take, for dense or quantized weights.
+struct Geometry {
+  int64_t blocks13, bytes13, k13;  // w13: blocks per expert, bytes per block, padded K (H)
+  int64_t blocks2, bytes2, k2;     // w2: the same (k2 = Ip)
+  int64_t Hp;
+  int max_rows;
+  bool int8_rows;                  // activations reach the tiles as quant.h's A8 rows
+  bool unsigned_rows;
+};
+
+Geometry geometry(const FusedMoeArgs& a) {
+  Geometry g{};
+  if (a.quant) {
+    g.k13 = round_up(a.H, kQuantKAlign);
+    g.blocks13 = a.I / kW13BlockInter;
+    g.bytes13 = quant_block_bytes(a.format, g.k13, a.group13);
+    g.k2 = a.I;
+    g.blocks2 = round_up(a.H, kBlockCols) / kBlockCols;
+    g.bytes2 = quant_block_bytes(a.format, a.I, a.group2);
+    g.max_rows = a.quant->max_rows;
+    g.int8_rows = quant_int8_activations(a.format);
+    g.unsigned_rows = a.quant->unsigned_activations;
+  } else {
+    const int64_t es = dtype_size(a.dtype);
+    const PackedShape s13 = w13_packed_shape(a.H, a.I, a.kernels->layout);
+    const PackedShape s2 = w2_packed_shape(a.H, a.I, a.kernels->layout);
+    g = {s13.blocks, s13.block_elems * es, s13.k, s2.blocks, s2.block_elems * es, s2.k, 0, a.kernels->max_rows,
+         false, false};
+  }
+  g.Hp = g.blocks2 * kBlockCols;
+  return g;
+}
+
+}  // namespace
+
 void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
-  const KernelTable& kt = *a.kernels;
+  const Geometry geo = geometry(a);
   const int64_t M = a.M, H = a.H, K = a.topk, es = dtype_size(a.dtype);
-  const PackedShape s13 = w13_packed_shape(H, a.I, kt.layout);
-  const PackedShape s2 = w2_packed_shape(H, a.I, kt.layout);
-  const int64_t Ip = s2.k, Hp = s2.blocks * kBlockCols;
+  const int64_t Ip = geo.k2, Hp = geo.Hp;
+  const TileFn w13_tile = a.quant ? a.quant->w13_tile : a.kernels->w13_tile;
+  const TileFn w2_tile = a.quant ? a.quant->w2_tile : a.kernels->w2_tile;
 
   // 1. Map ids to local experts and count rows per expert.
   std::vector<int32_t> local(M * K);
@@ -114,29 +151,38 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
   for (int64_t e = 0; e < a.local_experts; ++e) offsets[e + 1] += offsets[e];
   const int64_t rows = offsets[a.local_experts];
 
-  // 2. Scratch: padded/scaled input copy (when needed), sorted row tables, intermediate, w2 outputs.
-  const bool copy_input = a.apply_router_weight_on_input || s13.k != H;
+  // 2. Scratch: the tiles' input rows (a padded/scaled copy, or A8 quantized rows), sorted row tables, the
+  //    intermediate (dtype; float32 then A8 rows when quantized to int8), w2 outputs.
+  const bool copy_input = a.apply_router_weight_on_input || geo.k13 != H;
+  const int64_t stride13 = geo.int8_rows ? quant_row_stride(geo.k13) : geo.k13 * es;
+  const int64_t stride2 = geo.int8_rows ? quant_row_stride(Ip) : Ip * es;
+  const int64_t inter_es = geo.int8_rows ? 4 : es;
   auto align = [](int64_t b) { return round_up(b, 64); };
-  const int64_t bytes_x = copy_input ? align(M * s13.k * es) : 0;
+  const int64_t bytes_x = copy_input ? align(M * geo.k13 * es) : 0;
+  const int64_t bytes_qx = geo.int8_rows ? align(M * stride13) : 0;
   const int64_t bytes_ptr = align(rows * int64_t(sizeof(void*)));
   const int64_t bytes_scale = align(rows * 4), bytes_slot = align(M * K * 8);
-  const int64_t bytes_inter = align(rows * Ip * es), bytes_y = align(rows * Hp * 4);
+  const int64_t bytes_inter = align(rows * Ip * inter_es), bytes_qinter = geo.int8_rows ? align(rows * stride2) : 0;
+  const int64_t bytes_y = align(rows * Hp * 4);
   static thread_local Scratch scratch;
-  char* base = scratch.get(bytes_x + 2 * bytes_ptr + bytes_scale + bytes_slot + bytes_inter + bytes_y + 64);
+  char* base = scratch.get(bytes_x + bytes_qx + 2 * bytes_ptr + bytes_scale + bytes_slot + bytes_inter + bytes_qinter +
+                           bytes_y + 64);
   char* x_copy = base;
-  const void** a13 = reinterpret_cast<const void**>(x_copy + bytes_x);
+  char* qx = x_copy + bytes_x;
+  const void** a13 = reinterpret_cast<const void**>(qx + bytes_qx);
   const void** a2 = reinterpret_cast<const void**>(reinterpret_cast<char*>(a13) + bytes_ptr);
   float* row_scale = reinterpret_cast<float*>(reinterpret_cast<char*>(a2) + bytes_ptr);
   int64_t* slot_row = reinterpret_cast<int64_t*>(reinterpret_cast<char*>(row_scale) + bytes_scale);
   char* inter = reinterpret_cast<char*>(slot_row) + bytes_slot;
-  float* ys = reinterpret_cast<float*>(inter + bytes_inter);
+  char* qinter = inter + bytes_inter;
+  float* ys = reinterpret_cast<float*>(qinter + bytes_qinter);
 
   const char* x = static_cast<const char*>(a.hidden);
   int64_t x_stride = H * es;
   if (copy_input) {
     for (int64_t t = 0; t < M; ++t) {
-      char* dst = x_copy + t * s13.k * es;
-      std::memset(dst + H * es, 0, (s13.k - H) * es);
+      char* dst = x_copy + t * geo.k13 * es;
+      std::memset(dst + H * es, 0, (geo.k13 - H) * es);
       if (!a.apply_router_weight_on_input) {
         std::memcpy(dst, x + t * H * es, H * es);
         continue;
@@ -145,7 +191,17 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
       for (int64_t h = 0; h < H; ++h) store_from_f32(dst, h, load_as_f32(x, t * H + h, a.dtype) * w, a.dtype);
     }
     x = x_copy;
-    x_stride = s13.k * es;
+    x_stride = geo.k13 * es;
+  }
+  if (geo.int8_rows) {  // one quantized row per token, shared by its k slots
+    const char* src = x;
+    const int64_t src_stride = x_stride;
+    parallel_items(parallel, M, [&](int64_t t) {
+      quantize_row(src + t * src_stride, H, a.dtype, geo.k13, geo.unsigned_rows,
+                   reinterpret_cast<uint8_t*>(qx + t * stride13));
+    });
+    x = qx;
+    x_stride = stride13;
   }
 
   std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
@@ -157,45 +213,54 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
     int64_t r = fill[local[i]]++;
     slot_row[i] = r;
     a13[r] = x + (i / K) * x_stride;
-    a2[r] = inter + r * Ip * es;
+    a2[r] = geo.int8_rows ? qinter + r * stride2 : inter + r * Ip * es;
     row_scale[r] = a.topk_weights[i];
   }
   const float* w2_scale = a.apply_router_weight_on_input ? nullptr : row_scale;
 
   // 3. w13 with the activation fused: inter[r][Ip].
-  std::vector<Item> items13 = make_items(offsets, s13.blocks, kt.max_rows);
+  std::vector<Item> items13 = make_items(offsets, geo.blocks13, geo.max_rows);
   parallel_items(parallel, int64_t(items13.size()), [&](int64_t i) {
     const Item& it = items13[i];
     GemmTile t{};
     t.a_rows = a13 + it.row_begin;
     t.rows = it.rows;
-    t.k = s13.k;
-    t.b = static_cast<const char*>(a.w13) + (it.expert * s13.blocks + it.block) * s13.block_elems * es;
-    t.bias = a.w13_bias ? a.w13_bias + (it.expert * s13.blocks + it.block) * kBlockCols : nullptr;
-    t.out = inter + (it.row_begin * Ip + it.block * kW13BlockInter) * es;
+    t.k = geo.k13;
+    t.b = static_cast<const char*>(a.w13) + (it.expert * geo.blocks13 + it.block) * geo.bytes13;
+    t.bias = a.w13_bias ? a.w13_bias + (it.expert * geo.blocks13 + it.block) * kBlockCols : nullptr;
+    t.out = inter + (it.row_begin * Ip + it.block * kW13BlockInter) * inter_es;
     t.out_stride = Ip;
     t.out_cols = kW13BlockInter;
-    t.dtype = a.dtype;
+    t.dtype = geo.int8_rows ? DType::kFloat32 : a.dtype;
     t.act = a.act;
-    kt.w13_tile(t);
+    t.group = a.group13;
+    w13_tile(t);
   });
 
+  // 3b. A8: quantize each intermediate row per (token, slot), as the reference does.
+  if (geo.int8_rows)
+    parallel_items(parallel, rows, [&](int64_t r) {
+      quantize_row_f32(reinterpret_cast<const float*>(inter) + r * Ip, Ip, Ip, geo.unsigned_rows,
+                       reinterpret_cast<uint8_t*>(qinter + r * stride2));
+    });
+
   // 4. w2, scaled by the router weight: ys[r][Hp] float32.
-  std::vector<Item> items2 = make_items(offsets, s2.blocks, kt.max_rows);
+  std::vector<Item> items2 = make_items(offsets, geo.blocks2, geo.max_rows);
   parallel_items(parallel, int64_t(items2.size()), [&](int64_t i) {
     const Item& it = items2[i];
     GemmTile t{};
     t.a_rows = a2 + it.row_begin;
     t.rows = it.rows;
     t.k = Ip;
-    t.b = static_cast<const char*>(a.w2) + (it.expert * s2.blocks + it.block) * s2.block_elems * es;
+    t.b = static_cast<const char*>(a.w2) + (it.expert * geo.blocks2 + it.block) * geo.bytes2;
     t.bias = a.w2_bias ? a.w2_bias + it.expert * Hp + it.block * kBlockCols : nullptr;
     t.row_scale = w2_scale ? w2_scale + it.row_begin : nullptr;
     t.out = ys + it.row_begin * Hp + it.block * kBlockCols;
     t.out_stride = Hp;
     t.out_cols = int(std::min<int64_t>(kBlockCols, H - it.block * kBlockCols));
     t.dtype = a.dtype;
-    kt.w2_tile(t);
+    t.group = a.group2;
+    w2_tile(t);
   });
 
   // 5. Combine: out[t] = sum over the token's slots, in slot order.

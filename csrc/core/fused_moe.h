@@ -13,6 +13,7 @@
 #include <functional>
 
 #include "kernels.h"
+#include "quant.h"
 
 namespace cpumoe {
 
@@ -23,10 +24,13 @@ struct Parallel {
 };
 
 struct FusedMoeArgs {
-  const KernelTable* kernels = nullptr;
+  const KernelTable* kernels = nullptr;  // dense weights' tiles (unused when quant is set)
+  const QuantKernel* quant = nullptr;    // set: w13/w2 are quant.h blocks of `format`
+  QuantFormat format = QuantFormat::kInt8W8A8;
+  int64_t group13 = 0, group2 = 0;       // quantized: the tiles' group for w13 (K = H) and w2 (K = Ip)
   DType dtype = DType::kBFloat16;
   Activation act = Activation::kSilu;
-  int64_t M = 0, H = 0, I = 0, topk = 0;
+  int64_t M = 0, H = 0, I = 0, topk = 0;  // I: the packed (padded) intermediate size
   int64_t local_experts = 0;    // experts in the packed weights
   int64_t global_experts = 0;   // range of topk_ids (== local_experts without expert_map)
   const void* hidden = nullptr;          // [M][H]
@@ -34,7 +38,7 @@ struct FusedMoeArgs {
   const int32_t* topk_ids = nullptr;     // [M][topk]
   const int32_t* expert_map = nullptr;   // [global_experts] -> local id or -1; nullptr = identity
   bool apply_router_weight_on_input = false;
-  const void* w13 = nullptr;             // packed, see pack.h
+  const void* w13 = nullptr;             // packed, see pack.h (quant.h when quantized)
   const void* w2 = nullptr;
   const float* w13_bias = nullptr;       // [E][Ip/32][64] (gate 32, up 32 per block) or nullptr
   const float* w2_bias = nullptr;        // [E][Hp] or nullptr

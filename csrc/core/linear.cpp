@@ -9,20 +9,37 @@
 namespace cpumoe {
 
 void linear(const LinearArgs& a, const Parallel& parallel) {
-  const KernelTable& kt = *a.kernels;
   const int64_t es = dtype_size(a.dtype);
-  const PackedShape s = w2_packed_shape(a.N, a.K, kt.layout);  // blocks of 64 outputs, k = K rounded to 32
-  const int64_t Np = s.blocks * kBlockCols;
+  int64_t blocks, block_bytes, Kp;
+  if (a.quant) {
+    Kp = round_up(a.K, kQuantKAlign);
+    blocks = round_up(a.N, kBlockCols) / kBlockCols;
+    block_bytes = quant_block_bytes(a.format, Kp, a.group);
+  } else {
+    const PackedShape s = w2_packed_shape(a.N, a.K, a.kernels->layout);  // blocks of 64 outputs, k = K rounded to 32
+    Kp = s.k, blocks = s.blocks, block_bytes = s.block_elems * es;
+  }
+  const int64_t Np = blocks * kBlockCols;
+  const bool int8_rows = a.quant && quant_int8_activations(a.format);
+  const TileFn tile = a.quant ? a.quant->w2_tile : a.kernels->w2_tile;
 
-  // Rows the tiles may read up to s.k: pad a copy with zeros when K is not already a multiple of it.
-  std::vector<char> padded;
+  // Rows the tiles read: A8 quantized rows, or rows padded with zeros to Kp when K is not already it.
+  std::vector<char> staged;
   const char* x = static_cast<const char*>(a.x);
   int64_t x_stride = a.K * es;
-  if (s.k != a.K) {
-    padded.assign(a.M * s.k * es, 0);
-    for (int64_t m = 0; m < a.M; ++m) std::memcpy(padded.data() + m * s.k * es, x + m * a.K * es, a.K * es);
-    x = padded.data();
-    x_stride = s.k * es;
+  if (int8_rows) {
+    x_stride = quant_row_stride(Kp);
+    staged.resize(a.M * x_stride);
+    parallel_items(parallel, a.M, [&](int64_t m) {
+      quantize_row(x + m * a.K * es, a.K, a.dtype, Kp, a.quant->unsigned_activations,
+                   reinterpret_cast<uint8_t*>(staged.data() + m * x_stride));
+    });
+    x = staged.data();
+  } else if (Kp != a.K) {
+    staged.assign(a.M * Kp * es, 0);
+    for (int64_t m = 0; m < a.M; ++m) std::memcpy(staged.data() + m * Kp * es, x + m * a.K * es, a.K * es);
+    x = staged.data();
+    x_stride = Kp * es;
   }
   std::vector<const void*> rows(a.M);
   for (int64_t m = 0; m < a.M; ++m) rows[m] = x + m * x_stride;
@@ -31,19 +48,20 @@ void linear(const LinearArgs& a, const Parallel& parallel) {
   // Items: (row chunk, block of 64 outputs), consecutive blocks consecutive in memory.
   constexpr int64_t kRowChunk = 256;
   const int64_t chunks = (a.M + kRowChunk - 1) / kRowChunk;
-  parallel_items(parallel, chunks * s.blocks, [&](int64_t i) {
-    const int64_t chunk = i / s.blocks, block = i % s.blocks, r0 = chunk * kRowChunk;
+  parallel_items(parallel, chunks * blocks, [&](int64_t i) {
+    const int64_t chunk = i / blocks, block = i % blocks, r0 = chunk * kRowChunk;
     GemmTile t{};
     t.a_rows = rows.data() + r0;
     t.rows = int(std::min(kRowChunk, a.M - r0));
-    t.k = s.k;
-    t.b = static_cast<const char*>(a.w) + block * s.block_elems * es;
+    t.k = Kp;
+    t.b = static_cast<const char*>(a.w) + block * block_bytes;
     t.bias = nullptr;
     t.out = y.data() + r0 * Np + block * kBlockCols;
     t.out_stride = Np;
     t.out_cols = int(std::min<int64_t>(kBlockCols, a.N - block * kBlockCols));
     t.dtype = a.dtype;
-    kt.w2_tile(t);
+    t.group = a.group;
+    tile(t);
   });
   parallel_items(parallel, a.M, [&](int64_t m) {
     float* row = y.data() + m * Np;

@@ -10,8 +10,11 @@
 namespace cpumoe {
 
 struct LinearArgs {
-  const KernelTable* kernels = nullptr;
-  DType dtype = DType::kBFloat16;
+  const KernelTable* kernels = nullptr;  // dense weights' tiles (unused when quant is set)
+  const QuantKernel* quant = nullptr;    // set: w is quant.h blocks of `format` (one expert's w2 of H = N, I = K)
+  QuantFormat format = QuantFormat::kInt8W8A8;
+  int64_t group = 0;                     // the tiles' group (quant_packed_shape(...).group)
+  DType dtype = DType::kBFloat16;        // of x and out
   int64_t M = 0, K = 0, N = 0;
   const void* x = nullptr;      // [M][K]
   const void* w = nullptr;      // pack_w2 layout of [N][K] (one expert)

@@ -13,6 +13,7 @@
 #include "../core/membw.h"
 #include "../core/memory.h"
 #include "../core/pack.h"
+#include "../core/quant_pack.h"
 
 namespace cpumoe {
 namespace {
@@ -50,6 +51,28 @@ const KernelTable& kernel_or_throw(const std::string& name) {
   const KernelTable* k = find_kernel(name, &why);
   TORCH_CHECK(k, "kernel path '", name, "' cannot run here: ", why);
   return *k;
+}
+
+QuantFormat to_format(const std::string& name) {
+  for (int f = 0; f < kNumQuantFormats; ++f)
+    if (name == quant_format_name(QuantFormat(f))) return QuantFormat(f);
+  TORCH_CHECK_VALUE(false, "unknown quantization format '", name,
+                    "' (expected int8_w8a8, int4_w4a16, fp8_w8a16 or mxfp4_w4a16)");
+}
+
+const QuantKernel& quant_kernel_or_throw(const std::string& name, QuantFormat f) {
+  std::string why;
+  const QuantKernel* k = find_quant_kernel(name, f, &why);
+  TORCH_CHECK(k, "kernel path '", name, "' cannot run ", quant_format_name(f), ": ", why);
+  return *k;
+}
+
+QuantPackedShape quant_shape_or_throw(QuantFormat f, int64_t N, int64_t K, int64_t group, bool w13) {
+  try {
+    return quant_packed_shape(f, N, K, group, w13);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
 }
 
 void check_dense(const at::Tensor& t, const char* what, int64_t dim) {
@@ -167,6 +190,177 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const 
   return out;
 }
 
+// Canonical quantized weights (cpumoe/quant/formats.py) [E, N, K] -> quant.h blocks [E, blocks, block_bytes].
+at::Tensor pack_quant_op(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                      std::string_view format, int64_t group_size, bool w13) {
+  const QuantFormat f = to_format(std::string(format));
+  const char* what = w13 ? "w13 qweight" : "w2 qweight";
+  check_dense(qweight, what, 3);
+  const at::ScalarType want_q = f == QuantFormat::kInt8W8A8 ? at::kChar
+                                : f == QuantFormat::kFp8W8A16 ? at::kFloat8_e4m3fn : at::kByte;
+  TORCH_CHECK_VALUE(qweight.scalar_type() == want_q, what, " of ", quant_format_name(f), " must be ", want_q,
+                    ", got ", qweight.scalar_type());
+  const int64_t E = qweight.size(0), N = qweight.size(1), K = qweight.size(2);
+  TORCH_CHECK_VALUE(E > 0 && N > 0 && K > 0, what, " has an empty dimension: ", qweight.sizes());
+  TORCH_CHECK_VALUE(!w13 || N % 2 == 0, "w13 qweight must be [E, 2*I, H] (gate rows then up rows), got ",
+                    qweight.sizes());
+  const QuantPackedShape shape = quant_shape_or_throw(f, N, K, group_size, w13);
+  int64_t cols = 1;
+  at::ScalarType want_s = at::kFloat;
+  std::vector<int64_t> want{E, N};
+  if (f == QuantFormat::kInt4W4A16) cols = group_size == 0 ? 1 : K / group_size;
+  else if (f == QuantFormat::kFp8W8A16) cols = group_size == 0 ? 1 : (K + group_size - 1) / group_size;
+  else if (f == QuantFormat::kMxfp4W4A16) cols = K / kMxfp4Group, want_s = at::kByte;
+  if (f != QuantFormat::kInt8W8A8) want.push_back(cols);
+  check_dense(scales, "scales", int64_t(want.size()));
+  TORCH_CHECK_VALUE(scales.sizes() == at::IntArrayRef(want) && scales.scalar_type() == want_s, quant_format_name(f),
+                    " scales must be ", want_s, " ", at::IntArrayRef(want), ", got ", scales.scalar_type(), " ",
+                    scales.sizes());
+  const uint8_t* zp = nullptr;
+  if (zeros) {
+    TORCH_CHECK_VALUE(f == QuantFormat::kInt4W4A16, quant_format_name(f), " takes no zero points");
+    check_dense(*zeros, "zeros", 3);
+    TORCH_CHECK_VALUE(zeros->sizes() == scales.sizes() && zeros->scalar_type() == at::kByte,
+                      "int4 zeros must be uint8 ", scales.sizes(), ", got ", zeros->scalar_type(), " ", zeros->sizes());
+    zp = zeros->data_ptr<uint8_t>();
+  }
+  QuantSource src;
+  src.format = f;
+  src.codes = static_cast<const uint8_t*>(qweight.data_ptr());
+  src.scales = scales.data_ptr();
+  src.zeros = zp;
+  src.N = N, src.K = K, src.group = group_size == K ? 0 : group_size;
+  at::Tensor out = at::empty({E, shape.blocks, shape.block_bytes}, qweight.options().dtype(at::kByte));
+  advise_huge_pages(out.data_ptr(), out.nbytes());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, E, 1, [&](int64_t b, int64_t e) { pack_quant(src, w13, dst, b, e); });
+  return out;
+}
+
+// The packed geometry a quantized op expects, checked against the packed tensor.
+QuantPackedShape check_quant_packed(const at::Tensor& w, const char* what, QuantFormat f, int64_t N, int64_t K,
+                                    int64_t group_size, bool w13) {
+  check_dense(w, what, 3);
+  TORCH_CHECK_VALUE(w.scalar_type() == at::kByte, what, " must be the uint8 blocks pack_quant makes, got ",
+                    w.scalar_type());
+  const QuantPackedShape s = quant_shape_or_throw(f, N, K, group_size, w13);
+  TORCH_CHECK_VALUE(w.size(1) == s.blocks && w.size(2) == s.block_bytes, what, " has shape ", w.sizes(),
+                    ", expected [E, ", s.blocks, ", ", s.block_bytes, "] for ", quant_format_name(f), " with N=", N,
+                    ", K=", K, ", group ", group_size, " (packed for another shape or format?)");
+  return s;
+}
+
+at::Tensor fused_experts_quant(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                               const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                               std::string_view kernel_name, std::string_view format, int64_t group_size,
+                               std::string_view activation, const std::optional<at::Tensor>& w13_bias,
+                               const std::optional<at::Tensor>& w2_bias, const std::optional<at::Tensor>& expert_map,
+                               bool apply_router_weight_on_input) {
+  const QuantFormat f = to_format(std::string(format));
+  const QuantKernel& qk = quant_kernel_or_throw(std::string(kernel_name), f);
+  check_dense(hidden, "hidden_states", 2);
+  const DType dt = to_dtype(hidden, "hidden_states");
+  TORCH_CHECK_VALUE(quant_int8_activations(f) || dt == DType::kBFloat16, quant_format_name(f),
+                    " takes bfloat16 activations, got ", hidden.scalar_type());
+  const int64_t M = hidden.size(0), H = hidden.size(1);
+  check_dense(w13, "packed w13", 3);
+  const int64_t E = w13.size(0), Ip = w13.size(1) * kW13BlockInter;
+  // The packed w13 holds Ip/32 blocks: check it as a [2*Ip, H] weight (the padded rows are what was packed).
+  const QuantPackedShape s13 = check_quant_packed(w13, "packed w13", f, 2 * Ip, H, group_size, true);
+  const QuantPackedShape s2 = check_quant_packed(w2, "packed w2", f, H, Ip, group_size, false);
+  TORCH_CHECK_VALUE(w2.size(0) == E, "packed w2 holds ", w2.size(0), " experts, w13 ", E);
+  check_dense(topk_weights, "topk_weights", 2);
+  check_dense(topk_ids, "topk_ids", 2);
+  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat, "topk_weights must be float32, got ", topk_weights.scalar_type());
+  TORCH_CHECK(topk_ids.scalar_type() == at::kInt, "topk_ids must be int32, got ", topk_ids.scalar_type());
+  TORCH_CHECK(topk_ids.size(0) == M && topk_weights.sizes() == topk_ids.sizes(),
+              "topk_weights ", topk_weights.sizes(), " and topk_ids ", topk_ids.sizes(), " must both be [", M, ", k]");
+  const int64_t K = topk_ids.size(1);
+  TORCH_CHECK(K >= 1, "top-k must be at least 1");
+  TORCH_CHECK(!apply_router_weight_on_input || K == 1, "apply_router_weight_on_input needs top_k == 1, got ", K);
+
+  FusedMoeArgs a;
+  a.quant = &qk;
+  a.format = f;
+  a.group13 = s13.group;
+  a.group2 = s2.group;
+  a.dtype = dt;
+  a.act = to_activation(std::string(activation));
+  a.M = M, a.H = H, a.I = Ip, a.topk = K;
+  a.local_experts = E;
+  a.global_experts = E;
+  if (expert_map) {
+    check_dense(*expert_map, "expert_map", 1);
+    TORCH_CHECK(expert_map->scalar_type() == at::kInt, "expert_map must be int32, got ", expert_map->scalar_type());
+    a.expert_map = expert_map->data_ptr<int32_t>();
+    a.global_experts = expert_map->size(0);
+  }
+  if (w13_bias) {
+    check_dense(*w13_bias, "packed w13_bias", 2);
+    TORCH_CHECK(w13_bias->scalar_type() == at::kFloat && w13_bias->size(0) == E && w13_bias->size(1) == 2 * Ip,
+                "packed w13_bias must be float32 [", E, ", ", 2 * Ip, "], got ", w13_bias->scalar_type(), " ",
+                w13_bias->sizes());
+    a.w13_bias = w13_bias->data_ptr<float>();
+  }
+  if (w2_bias) {
+    check_dense(*w2_bias, "packed w2_bias", 2);
+    TORCH_CHECK(w2_bias->scalar_type() == at::kFloat && w2_bias->size(0) == E &&
+                    w2_bias->size(1) == s2.blocks * kBlockCols,
+                "packed w2_bias must be float32 [", E, ", ", s2.blocks * kBlockCols, "], got ",
+                w2_bias->scalar_type(), " ", w2_bias->sizes());
+    a.w2_bias = w2_bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty_like(hidden);
+  a.hidden = hidden.data_ptr();
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.topk_ids = topk_ids.data_ptr<int32_t>();
+  a.w13 = w13.data_ptr();
+  a.w2 = w2.data_ptr();
+  a.out = out.data_ptr();
+  a.apply_router_weight_on_input = apply_router_weight_on_input;
+  try {
+    fused_moe(a, torch_parallel());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return out;
+}
+
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                        std::string_view path, std::string_view format, int64_t group_size, int64_t out_features) {
+  const QuantFormat f = to_format(std::string(format));
+  const QuantKernel& qk = quant_kernel_or_throw(std::string(path), f);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "x must be a CPU tensor of shape [..., K], got ", x.sizes());
+  const DType dt = to_dtype(x, "x");
+  TORCH_CHECK_VALUE(quant_int8_activations(f) || dt == DType::kBFloat16, quant_format_name(f),
+                    " takes bfloat16 activations, got ", x.scalar_type());
+  const int64_t K = x.size(-1);
+  const QuantPackedShape s = check_quant_packed(w, "packed linear weight", f, out_features, K, group_size, false);
+  TORCH_CHECK_VALUE(w.size(0) == 1, "packed linear weight must hold one matrix, got ", w.sizes());
+  at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = out_features;
+  at::Tensor out = at::empty({x2.size(0), out_features}, x.options());
+  at::Tensor b;
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [", out_features, "], got ",
+                bias->sizes());
+    b = bias->to(at::kFloat).contiguous();
+  }
+  LinearArgs a;
+  a.quant = &qk;
+  a.format = f;
+  a.group = s.group;
+  a.dtype = dt;
+  a.M = x2.size(0), a.K = K, a.N = out_features;
+  a.x = x2.data_ptr();
+  a.w = w.data_ptr();
+  a.bias = bias ? b.data_ptr<float>() : nullptr;
+  a.out = out.data_ptr();
+  linear(a, torch_parallel());
+  return out.view(out_shape);
+}
+
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                      std::string_view path, int64_t out_features) {
   const KernelTable& kt = kernel_or_throw(std::string(path));
@@ -209,6 +403,13 @@ TORCH_LIBRARY(cpumoe, m) {
   m.def("pack_w13(Tensor w13, str path) -> Tensor");
   m.def("pack_w2(Tensor w2, str path) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor? bias, *, str path, int out_features) -> Tensor");
+  m.def("pack_quant(Tensor qweight, Tensor scales, Tensor? zeros, *, str format, int group_size, bool w13) -> Tensor");
+  m.def(
+      "fused_experts_quant(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, *, "
+      "str path, str format, int group_size, str activation, Tensor? w13_bias=None, Tensor? w2_bias=None, "
+      "Tensor? expert_map=None, bool apply_router_weight_on_input=False) -> Tensor");
+  m.def("linear_quant(Tensor x, Tensor w, Tensor? bias, *, str path, str format, int group_size, int out_features) "
+        "-> Tensor");
   m.def(
       "fused_experts(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, *, "
       "str path, str activation, Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? expert_map=None, "
@@ -220,6 +421,9 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("pack_w2", &pack_w2_op);
   m.impl("fused_experts", &fused_experts);
   m.impl("linear", &linear_op);
+  m.impl("pack_quant", &pack_quant_op);
+  m.impl("fused_experts_quant", &fused_experts_quant);
+  m.impl("linear_quant", &linear_quant);
 }
 
 }  // namespace cpumoe
@@ -228,18 +432,27 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "cpumoe native helpers (tensor ops are under torch.ops.cpumoe)";
   m.def("cpu_features", &cpumoe::cpu_features, "Usable CPU features, as /proc/cpuinfo names them");
   m.def("kernel_paths", [] {
-    std::vector<std::tuple<std::string, std::string, std::string, int, std::vector<std::string>>> out;
+    std::vector<std::tuple<std::string, std::string, std::string, int, std::vector<std::string>,
+                           std::vector<std::string>>> out;
     const char* layouts[] = {"kn", "pairs", "quads"};
     for (const auto& k : cpumoe::kernel_paths()) {
       std::vector<std::string> dtypes;
       if (k.table)
         for (auto d : {cpumoe::DType::kFloat32, cpumoe::DType::kBFloat16, cpumoe::DType::kFloat16})
           if (k.table->supports(d)) dtypes.push_back(cpumoe::dtype_name(d));
+      std::vector<std::string> formats;
+      for (int f = 0; f < cpumoe::kNumQuantFormats; ++f)
+        if (k.quant[f]) formats.push_back(cpumoe::quant_format_name(cpumoe::QuantFormat(f)));
       out.emplace_back(k.name, k.unavailable, k.table ? layouts[int(k.table->layout)] : "",
-                       k.table ? k.table->max_rows : 0, dtypes);
+                       k.table ? k.table->max_rows : 0, dtypes, formats);
     }
     return out;
-  }, "(name, why unavailable or '', layout, rows per tile, dtypes) for every kernel path, fastest first");
+  }, "(name, why unavailable or '', layout, rows per tile, dtypes, quantized formats) for every kernel path, "
+     "fastest first");
+  m.def("quant_packed_shape", [](const std::string& format, int64_t N, int64_t K, int64_t group, bool w13) {
+    auto s = cpumoe::quant_shape_or_throw(cpumoe::to_format(format), N, K, group, w13);
+    return std::make_tuple(s.blocks, s.block_bytes);
+  }, "(blocks, bytes per block) of one packed quantized matrix [N, K]");
   m.def("packed_shapes", [](int64_t H, int64_t I, const std::string& kernel) {
     const cpumoe::KernelTable& kt = cpumoe::kernel_or_throw(kernel);
     auto a = cpumoe::w13_packed_shape(H, I, kt.layout), b = cpumoe::w2_packed_shape(H, I, kt.layout);

@@ -107,9 +107,9 @@ def test_forced_backend_says_why(problem):
 
 def test_no_path_lists_every_candidate():
     config = ExpertsConfig(hidden_size=64, inter_size=32, num_experts=4, top_k=2, dtype=torch.bfloat16,
-                           quantization="int8_w8a8")
+                           activation="relu")
     with pytest.raises(NoSupportedPath) as err:
         choose_path(config)
     for name in ("x86-avx512bf16", "x86-avx2", "arm-neon", "generic", "naive"):
         assert name in str(err.value)
-    assert "unquantized weights only" in str(err.value)
+    assert "no activation 'relu'" in str(err.value)
