@@ -1,5 +1,6 @@
 // Tile-level check of the Arm A8 tiles (arm-i8mm's SMMLA and arm-dotprod's SDOT, int8_w8a8 and
-// int4_w4a16) against a scalar float64 reading of ../../../csrc/core/quant.h: random packed blocks and
+// int4_w4a16), and of the generic ones they are held to, against a scalar float64 reading of
+// ../../../csrc/core/quant.h: random packed blocks and
 // quantized activation rows, every row count 1..9 (so every register tile and a split by run_row_tiles),
 // Kp 32, 96, 2048, int4 groups 32, 64, 128 and Kp where they divide Kp, the four activations, bias and
 // row_scale on and off, a w2 right edge (out_cols < 64). Outputs are written with a row stride wider
@@ -221,11 +222,13 @@ int main(int argc, char** argv) {
     const QuantKernel* (*quant)(QuantFormat);
     const char* feature;
   };
-  const Path paths[] = {{"arm-i8mm", quant_arm_i8mm, "i8mm"}, {"arm-dotprod", quant_arm_dotprod, "asimddp"}};
+  const Path paths[] = {{"arm-i8mm", quant_arm_i8mm, "i8mm"},
+                        {"arm-dotprod", quant_arm_dotprod, "asimddp"},
+                        {"generic", [](QuantFormat f) { return &quant_generic(f); }, nullptr}};
   std::mt19937 rng(20240601);
   int failures = 0;
   for (const Path& p : paths) {
-    if (!cpu_has(p.feature)) {
+    if (p.feature && !cpu_has(p.feature)) {
       std::printf("%s: skipped, CPU lacks %s\n", p.name, p.feature);
       continue;
     }
