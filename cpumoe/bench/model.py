@@ -38,7 +38,7 @@ from cpumoe.engine.api import SamplingParams
 from cpumoe.engine.config import EngineConfig
 from cpumoe.loader import Checkpoint
 from cpumoe.models.blocks import MoEBlock
-from cpumoe.models.packed_linear import PackedLinear
+from cpumoe.models.packed_linear import PackedLinear, QuantizedLinear
 from cpumoe.routing import select_experts
 
 MM_SIZE = 4096
@@ -76,23 +76,17 @@ class ModelResult:
 
 @dataclass(frozen=True, slots=True)
 class WeightBytes:
-    """What a step reads and a token computes, from the loaded model."""
+    """What a step reads and a token computes, from the loaded model. Bytes are those the kernels stream: the
+    packed (quantized, for a quantized checkpoint) weights, scales included."""
     dense_elems: int      # every weight but the embedding table and the experts (all read once per step)
     expert_elems: int     # one expert's w13 + w2
-    element_size: int
+    dense: int            # their bytes as held
+    expert: int           # one expert's bytes as packed
     moe_layers: int
     experts: int          # E
     top_k: int
     kv_per_token: int     # bytes of K and V of one token, all layers
     head_elems: int = 0   # the lm_head's (in dense_elems): a prefill computes it for the last token only
-
-    @property
-    def dense(self) -> int:
-        return self.dense_elems * self.element_size
-
-    @property
-    def expert(self) -> int:
-        return self.expert_elems * self.element_size
 
     def distinct_experts(self, tokens: int) -> float:
         """Expected distinct experts per layer for `tokens` uniformly routed tokens."""
@@ -117,14 +111,21 @@ def weight_bytes(engine: LLMEngine) -> WeightBytes:
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     embed = model.model.embed_tokens.weight
     # Parameters, plus the projections packed for cpumoe's kernels (a buffer each; routers keep `.weight` too).
-    packed = sum(m.in_features * m.out_features for m in model.modules()
-                 if isinstance(m, PackedLinear) and m.weight is None)
-    dense_elems = sum(p.numel() for p in model.parameters()) + packed - embed.numel()
+    packed = [m for m in model.modules()
+              if (isinstance(m, PackedLinear) and m.weight is None) or isinstance(m, QuantizedLinear)]
+    held = [m.packed_weight if m.packed_weight is not None else m.dense_weight for m in packed]
+    dense_elems = sum(p.numel() for p in model.parameters()) + sum(m.in_features * m.out_features for m in packed) \
+        - embed.numel()
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(t.nbytes for t in held) \
+        - embed.nbytes
     if getattr(model.config, "tie_word_embeddings", False):
         dense_elems += embed.numel()  # the tied lm_head is read every step
+        dense += embed.nbytes
     b = blocks[0]
-    return WeightBytes(dense_elems=dense_elems, expert_elems=3 * b.hidden_size * b.inter_size,
-                       element_size=embed.element_size(), moe_layers=len(blocks), experts=b.num_experts,
+    prepared = b.experts.prepared
+    return WeightBytes(dense_elems=dense_elems, expert_elems=3 * b.hidden_size * b.inter_size, dense=dense,
+                       expert=(prepared.w13.nbytes + prepared.w2.nbytes) // b.num_experts,
+                       moe_layers=len(blocks), experts=b.num_experts,
                        top_k=b.top_k, kv_per_token=_kv_bytes_per_token(engine),
                        head_elems=model.config.vocab_size * model.config.hidden_size)
 
@@ -136,6 +137,16 @@ def _kv_bytes_per_token(engine: LLMEngine) -> int:
 
 def experts_path(engine: LLMEngine) -> str:
     return next(m.experts.backend for m in engine.model.modules() if isinstance(m, MoEBlock))
+
+
+def weights_format(engine: LLMEngine) -> str:
+    """The experts' format, and the dense projections' where they are quantized: "bf16", "int8_w8a8", ..."""
+    experts = next(m.experts.quantization for m in engine.model.modules() if isinstance(m, MoEBlock))
+    linears = {m.format.value for m in engine.model.modules() if isinstance(m, QuantizedLinear)}
+    dtype = str(engine.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "fp")
+    if experts == "none":
+        return dtype
+    return experts if linears == {experts} else f"{experts} experts, {'/'.join(sorted(linears)) or dtype} dense"
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +297,7 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
     engine = LLMEngine(model_path, dtype=dtype, config=config)
     load_rss = {"fused": peak_rss_gb()}
     weights = weight_bytes(engine)
-    model_dtype, path = engine.dtype, experts_path(engine)
+    model_dtype, path, fmt = engine.dtype, experts_path(engine), weights_format(engine)
     limits = MachineLimits(probe_bytes=(256 << 20) if quick else (1 << 30),
                            mm_size=QUICK_MM_SIZE if quick else MM_SIZE, dtype=model_dtype)
     results = []
@@ -312,6 +323,7 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
     results.sort(key=lambda r: order[ModelCase(r.batch, r.input_len, r.output_len)])  # case by case (stable)
     return dict(model=str(model_path), dtype=str(model_dtype).removeprefix("torch."), cpu=cpu_model(),
                 threads=torch.get_num_threads(), features=ops.cpu_features(), experts_path=path,
+                weights_format=fmt,
                 weights=dict(asdict(weights), dense=weights.dense, expert=weights.expert),
                 load_peak_rss_gb=load_rss["fused"], load_peak_rss_gb_by_engine=load_rss,
                 checkpoint_gb=Checkpoint(model_path).weights_bytes / 1e9,
@@ -344,7 +356,8 @@ def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes) -> list[
 
 def render_model_report(report: dict, console: Console) -> None:
     w = report["weights"]
-    console.print(f"[bold]{report['model']}[/]  {report['dtype']}  experts path [bold]{report['experts_path']}[/]  "
+    console.print(f"[bold]{report['model']}[/]  {report['dtype']}  weights [bold]{report.get('weights_format', '?')}[/]  "
+                  f"experts path [bold]{report['experts_path']}[/]  "
                   f"CPU {report['cpu']}  threads {report['threads']}")
     loads = report.get("load_peak_rss_gb_by_engine") or {"fused": report["load_peak_rss_gb"]}
     peaks = ", ".join(f"{name} {gb:.2f} GB" for name, gb in loads.items())

@@ -51,3 +51,23 @@ def test_bench_model_json(tmp_path, capsys):
 def test_bench_model_missing_checkpoint(tmp_path):
     with pytest.raises(SystemExit, match="cpumoe bench model: error"):
         main(["bench", "model", str(tmp_path / "nope"), "--batch", "1", "--input-len", "4", "--output-len", "2"])
+
+
+def test_bench_model_quantized_checkpoint(tmp_path):
+    """A checkpoint quantized by `cpumoe quantize` reports its format and the quantized bytes its steps stream."""
+    from cpumoe.loader.quantized.convert import quantize_checkpoint
+    src = make_checkpoint("qwen3-30b-a3b", tmp_path / "bf16", layers=2, vocab=400, dtype=torch.bfloat16,
+                          overrides=tiny_overrides("qwen3-30b-a3b"))
+    reports = {}
+    for name, fmt in (("bf16", None), ("int4", "int4")):
+        path = src if fmt is None else quantize_checkpoint(src, tmp_path / name, fmt, group_size=32).path
+        out = tmp_path / f"{name}.json"
+        assert main(["bench", "model", str(path), "--batch", "1", "--input-len", "9", "--output-len", "3", "--quick",
+                     "--json", str(out)]) == 0
+        reports[name] = json.loads(out.read_text())
+    assert reports["bf16"]["weights_format"] == "bf16" and reports["int4"]["weights_format"] == "int4_w4a16"
+    bf16, int4 = reports["bf16"]["weights"], reports["int4"]["weights"]
+    assert bf16["expert_elems"] == int4["expert_elems"] and bf16["dense_elems"] == int4["dense_elems"]
+    # 4-bit codes plus a float32 scale and zero per 32 weights: 0.5 + 8/32 = 0.75 bytes a weight, against 2
+    assert int4["expert"] == pytest.approx(bf16["expert"] * 0.75 / 2, rel=0.01)
+    assert int4["dense"] < bf16["dense"]
