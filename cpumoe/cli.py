@@ -157,7 +157,9 @@ def _add_bench(commands) -> None:
     p.set_defaults(func=_cmd_bench_layer)
 
     p = bench.add_parser("model", help="the offline engine on random prompts: TTFT, ITL, throughput, decode GB/s")
-    p.add_argument("model", help="a local Hugging Face checkpoint directory (e.g. from cpumoe make-model)")
+    p.add_argument("model", nargs="+",
+                   help="a local Hugging Face checkpoint directory (e.g. from cpumoe make-model); several (e.g. one "
+                        "and its `cpumoe quantize` twins) are measured side by side against the first")
     p.add_argument("--batch", type=_positive_ints, default=[1, 16], help="batch sizes (default 1,16)")
     p.add_argument("--input-len", type=_positive_ints, default=[128, 512], help="prompt lengths (default 128,512)")
     p.add_argument("--output-len", type=_positive_ints, default=[128], help="output lengths (default 128)")
@@ -217,7 +219,8 @@ def _write_json(report: dict, path: str | None, console: Console) -> None:
 def _cmd_bench_model(args) -> int:
     import itertools
 
-    from cpumoe.bench.model import ModelCase, render_model_report, run_model_bench
+    from cpumoe.bench.model import (ModelCase, render_formats_report, render_model_report, run_formats_bench,
+                                    run_model_bench)
 
     if args.threads is not None:
         if args.threads < 1:
@@ -228,11 +231,17 @@ def _cmd_bench_model(args) -> int:
     try:
         if args.repeats < 1:
             raise ValueError("--repeats must be positive")
-        report = run_model_bench(args.model, cases, dtype=args.dtype, compare_naive=args.compare == "naive",
-                                 quick=args.quick, repeats=args.repeats, progress=Console(stderr=True))
+        if len(args.model) > 1:
+            if args.compare:
+                raise ValueError("--compare naive takes one checkpoint")
+            report = run_formats_bench(args.model, cases, dtype=args.dtype, quick=args.quick, repeats=args.repeats,
+                                       progress=Console(stderr=True))
+        else:
+            report = run_model_bench(args.model[0], cases, dtype=args.dtype, compare_naive=args.compare == "naive",
+                                     quick=args.quick, repeats=args.repeats, progress=Console(stderr=True))
     except ValueError as e:  # a checkpoint that is missing, incomplete or not supported
         sys.exit(f"cpumoe bench model: error: {e}")
-    render_model_report(report, console)
+    (render_formats_report if len(args.model) > 1 else render_model_report)(report, console)
     _write_json(report, args.json, console)
     return 0
 

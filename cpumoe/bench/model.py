@@ -263,6 +263,18 @@ def reset_peak_rss() -> None:
         pass
 
 
+def current_rss_gb() -> float:
+    """Resident memory now (GB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return 0.0
+
+
 def peak_rss_gb() -> float:
     """Resident memory high-water mark since the last reset_peak_rss (GB)."""
     try:
@@ -329,6 +341,105 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
                 checkpoint_gb=Checkpoint(model_path).weights_bytes / 1e9,
                 kv_cache_gb=config.num_blocks * config.block_size * weights.kv_per_token / 1e9,
                 results=[asdict(r) for r in results], batch_scaling=batch_scaling(results, weights))
+
+
+def run_formats_bench(model_paths: Sequence, cases: Sequence[ModelCase], *, dtype: torch.dtype | None = None,
+                      quick: bool = False, repeats: int = REPEATS, progress: Console | None = None) -> dict:
+    """Several checkpoints of one model (bf16 and its quantized twins from `cpumoe quantize`) side by side: all
+    engines stay loaded and every repetition runs each case on each in turn, so the ratios to the first checkpoint
+    (decode tokens/s, prefill rate) come from the same minutes. Beside each decode ratio, the most a weight stream
+    allows: the first checkpoint's decode-step bytes over this one's. Memory: each engine's load is measured as the
+    resident growth and peak while it loads (the others already resident); per-case peaks hold every engine."""
+    repeats = 1 if quick else repeats
+    config = engine_config(cases)
+    engines, models = [], []
+    for path in model_paths:
+        before = current_rss_gb()
+        reset_peak_rss()
+        engine = LLMEngine(path, dtype=dtype, config=config)
+        peak, after = peak_rss_gb(), current_rss_gb()
+        weights = weight_bytes(engine)
+        engines.append((engine, weights))
+        models.append(dict(model=str(path), weights_format=weights_format(engine), experts_path=experts_path(engine),
+                           checkpoint_gb=Checkpoint(path).weights_bytes / 1e9, load_rss_gb=after - before,
+                           load_peak_over_start_gb=peak - before,
+                           weights=dict(asdict(weights)), dtype=str(engine.dtype).removeprefix("torch.")))
+    limits = MachineLimits(probe_bytes=(256 << 20) if quick else (1 << 30),
+                           mm_size=QUICK_MM_SIZE if quick else MM_SIZE, dtype=engines[0][0].dtype)
+    for (engine, weights), m in zip(engines, models):
+        for case in cases:
+            if progress is not None:
+                progress.print(f"[dim]{m['weights_format']}: warm-up, batch {case.batch}, input {case.input_len}[/]")
+            run_case(engine, case, limits, weights)
+    runs: dict[tuple[int, ModelCase], list[ModelResult]] = {}
+    for rep in range(repeats):
+        if progress is not None:
+            progress.print(f"[dim]repetition {rep + 1} of {repeats}: {len(cases)} cases x {len(engines)} checkpoints[/]")
+        for case in cases:
+            for i, (engine, weights) in enumerate(engines):
+                runs.setdefault((i, case), []).append(run_case(engine, case, limits, weights, seed=1 + rep))
+    results = []
+    for case in cases:
+        for i, m in enumerate(models):
+            rs = runs[(i, case)]
+            results.append(dict(asdict(sorted(rs, key=lambda r: r.e2e_s)[len(rs) // 2]), model=i,
+                                weights_format=m["weights_format"]))
+    return dict(cpu=cpu_model(), threads=torch.get_num_threads(), features=ops.cpu_features(), models=models,
+                kv_cache_gb=config.num_blocks * config.block_size * engines[0][1].kv_per_token / 1e9,
+                results=results, comparison=format_comparison(results, [w for _, w in engines]))
+
+
+def format_comparison(results: Sequence[dict], weights: Sequence[WeightBytes]) -> list[dict]:
+    """Each checkpoint's case against the first checkpoint's same case: decode and prefill speed-ups, and the
+    decode bound (bytes of the first's decode step over this one's, at this case's measured routing)."""
+    first = {(r["batch"], r["input_len"], r["output_len"]): r for r in results if r["model"] == 0}
+    rows = []
+    for r in results:
+        base = first[(r["batch"], r["input_len"], r["output_len"])]
+        if r["model"] == 0:
+            continue
+        context = r["input_len"] + r["output_len"] / 2
+        bound = weights[0].decode_step_bytes(r["batch"], context, base["decode_experts_per_layer"]) / \
+            weights[r["model"]].decode_step_bytes(r["batch"], context, r["decode_experts_per_layer"])
+        rows.append(dict(weights_format=r["weights_format"], model=r["model"], batch=r["batch"],
+                         input_len=r["input_len"], output_len=r["output_len"],
+                         decode_speedup=r["decode_tok_s"] / base["decode_tok_s"], decode_bound=bound,
+                         prefill_speedup=r["prefill_gflops"] / base["prefill_gflops"],
+                         ttft_ratio=base["ttft_ms"] / r["ttft_ms"]))
+    return rows
+
+
+def render_formats_report(report: dict, console: Console) -> None:
+    console.print(f"CPU {report['cpu']}  threads {report['threads']}  KV cache {report['kv_cache_gb']:.2f} GB each")
+    models = Table(title="checkpoints (loaded together; memory is each one's growth while it loads)",
+                   title_justify="left")
+    for name in ("#", "weights", "experts path", "checkpoint GB", "dense GB", "expert MB", "loaded GB",
+                 "x checkpoint"):
+        models.add_column(name, justify="right", no_wrap=True)
+    for i, m in enumerate(report["models"]):
+        w = m["weights"]
+        models.add_row(str(i), m["weights_format"], m["experts_path"], f"{m['checkpoint_gb']:.2f}",
+                       f"{w['dense'] / 1e9:.2f}", f"{w['expert'] / 1e6:.2f}", f"{m['load_rss_gb']:.2f}",
+                       f"{m['load_rss_gb'] / m['checkpoint_gb']:.2f}x")
+    console.print(models)
+    table = Table(title="side by side (each case on each checkpoint in turn, every repetition)", title_justify="left")
+    for name in ("batch", "in", "out", "weights", "TTFT ms", "ITL ms", "decode tok/s", "decode GB/s", "% bw",
+                 "prefill GFLOP/s", "% mm"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for r in report["results"]:
+        table.add_row(str(r["batch"]), str(r["input_len"]), str(r["output_len"]), r["weights_format"],
+                      f"{r['ttft_ms']:.1f}", f"{r['itl_ms']:.2f}", f"{r['decode_tok_s']:.1f}", f"{r['decode_gbs']:.1f}",
+                      f"{r['decode_bandwidth_pct']:.0f}%", f"{r['prefill_gflops']:.0f}", f"{r['prefill_mm_pct']:.0f}%")
+    console.print(table)
+    comparison = Table(title=f"against {report['models'][0]['weights_format']} (same run; bound: decode-step bytes)",
+                       title_justify="left")
+    for name in ("batch", "in", "out", "weights", "decode speedup", "bound", "% of bound", "prefill speedup"):
+        comparison.add_column(name, justify="right", no_wrap=True)
+    for c in report["comparison"]:
+        comparison.add_row(str(c["batch"]), str(c["input_len"]), str(c["output_len"]), c["weights_format"],
+                           f"{c['decode_speedup']:.2f}x", f"{c['decode_bound']:.2f}x",
+                           f"{100 * c['decode_speedup'] / c['decode_bound']:.0f}%", f"{c['prefill_speedup']:.2f}x")
+    console.print(comparison)
 
 
 def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes) -> list[dict]:
