@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from cpumoe.layer import FusedMoE
-from cpumoe.loader import Checkpoint, CheckpointError, mxfp4
+from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.models.blocks import MoEBlock
 from cpumoe.models.deepseek_v2 import (DEFAULTS, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV2MoE,
                                        DeepseekV2TopkRouter, config_fields)
@@ -57,7 +57,6 @@ class DeepseekV3Config(DeepseekV2Config):
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> "DeepseekV3Config":
         get = ckpt.config_get
-        mxfp4.check_quantization(ckpt, supported=())
         if (scoring := get("scoring_func", default="sigmoid")) != "sigmoid":
             raise CheckpointError(f"{ckpt.path}: scoring_func {scoring!r} is not supported (DeepSeek-V3: sigmoid)")
         return cls(**config_fields(ckpt, TOPK_METHODS, V3_DEFAULTS),
