@@ -591,11 +591,12 @@ def _layer_line(layer: dict) -> str:
 
 def layer_table(report: dict) -> Table:
     layer = report["layer"]
-    table = Table(title=f"{layer['name']} MoE layer (routing included; % of bandwidth, % of mm and vs bf16 measured "
-                        "side by side per M; GB/s of each path's packed bytes, scales included)",
+    table = Table(title=f"{layer['name']} MoE layer (routing included; % of read bandwidth, % of torch.mm and vs bf16 "
+                        "measured side by side per M; experts hit, MB per expert as each path packs it, scales "
+                        "included)",
                   title_justify="left")
-    columns = ("M", "experts hit", "format", "path", "MB/expert", "ms", "GFLOP/s", "GB/s", "% bandwidth",
-               "% mm peak", "vs naive", "vs bf16 (target)", "bytes bound")
+    columns = ("M", "experts", "format", "path", "MB/exp", "ms", "GFLOP/s", "GB/s", "% bw", "% mm", "vs naive",
+               "vs bf16 (target)", "bytes bound")
     for name in columns:
         table.add_column(name, justify="left" if name in ("format", "path") else "right", no_wrap=True)
     chosen = {f["format"]: f["oracle_choice"] for f in layer["formats"]}
