@@ -1,5 +1,5 @@
 # The two entry points of the README. Both set up what they need first (scripts/setup.sh).
-.PHONY: setup bench bench-layer bench-quant test test-fast
+.PHONY: setup bench bench-layer bench-layer-quant bench-quant test test-fast
 
 setup:
 	@scripts/setup.sh
@@ -36,6 +36,10 @@ bench-quant: setup $(MODEL) $(QUANT_MODELS)
 # The fused MoE layer alone, every available path against the naive loop.
 bench-layer: setup
 	.venv/bin/cpumoe bench layer --preset qwen3-30b-a3b --tokens 1,8,32,128,512,2048 --dtype bf16
+
+# The quantized formats beside bf16, on the paths the oracle would choose and the naive loop.
+bench-layer-quant: setup
+	.venv/bin/cpumoe bench layer --preset qwen3-30b-a3b --tokens 1,8,2048 --dtype bf16,int8,int4,fp8,mxfp4
 
 # All tests, the slow ones included (what CI runs).
 test: setup
