@@ -1,5 +1,5 @@
 # The two entry points of the README. Both set up what they need first (scripts/setup.sh).
-.PHONY: setup bench bench-layer test test-fast
+.PHONY: setup bench bench-layer bench-layer-quant bench-quant test test-fast
 
 setup:
 	@scripts/setup.sh
@@ -19,9 +19,27 @@ $(MODEL): | setup
 	.venv/bin/cpumoe make-model --preset qwen3-30b-a3b --layers 4 --vocab 32768 --out $@.partial
 	mv $@.partial $@
 
+# The default checkpoint quantized by `cpumoe quantize` to each format (made once, beside it), and the model benchmark
+# of all of them side by side against the bf16 one: decode and prefill speed-ups with their bounds, memory.
+QUANT_FORMATS ?= int8 int4 fp8 mxfp4
+QUANT_MODELS = $(foreach f,$(QUANT_FORMATS),$(MODEL)-$(f))
+
+$(MODEL)-%: | $(MODEL)
+	rm -rf $@.partial
+	.venv/bin/cpumoe quantize $(MODEL) $@.partial --format $*
+	mv $@.partial $@
+
+bench-quant: setup $(MODEL) $(QUANT_MODELS)
+	.venv/bin/cpumoe bench model $(MODEL) $(QUANT_MODELS) --batch 1,16 --input-len 512 --output-len 64 \
+		--json bench-quant.json
+
 # The fused MoE layer alone, every available path against the naive loop.
 bench-layer: setup
 	.venv/bin/cpumoe bench layer --preset qwen3-30b-a3b --tokens 1,8,32,128,512,2048 --dtype bf16
+
+# The quantized formats beside bf16, on the paths the oracle would choose and the naive loop.
+bench-layer-quant: setup
+	.venv/bin/cpumoe bench layer --preset qwen3-30b-a3b --tokens 1,8,2048 --dtype bf16,int8,int4,fp8,mxfp4
 
 # All tests, the slow ones included (what CI runs).
 test: setup

@@ -1,7 +1,7 @@
 """The `cpumoe` command.
 
-    cpumoe info [--preset P] [--dtype bf16]        this CPU, the experts paths, and which one a layer gets
-    cpumoe bench layer --preset P --tokens 1,8,..  time one MoE layer on every path this CPU can run
+    cpumoe info [--preset P] [--dtype bf16] [--quant int8,..]  this CPU, the experts paths, which one a layer gets
+    cpumoe bench layer --preset P --tokens 1,8,.. [--dtype bf16,int8,..]  time one MoE layer per format and path
     cpumoe make-model --preset P --layers N --out D  write a synthetic Hugging Face checkpoint of a real model
     cpumoe quantize SRC DST --format F [--layout L]  a float checkpoint -> a public quantized layout
     cpumoe generate MODEL --prompt TEXT [--chat]    stream a completion from a local checkpoint, then tokens/s
@@ -61,6 +61,28 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def _weight_formats(text: str) -> list[str]:
+    """A comma list of bf16/fp32/fp16 and quantized formats (aliases or full names), checked, in order."""
+    from cpumoe.bench.layer import parse_weight_format
+    names = _names(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes, got {text!r}")
+    for name in names:
+        try:
+            parse_weight_format(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return names
+
+
+def _quant_formats(text: str) -> list[str]:
+    from cpumoe.quant import parse_format
+    try:
+        return list(dict.fromkeys(parse_format(name).value for name in _names(text)))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _positive_ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -86,6 +108,10 @@ def _add_info(commands) -> None:
     p = commands.add_parser("info", help="this CPU, the experts paths, and which one a layer gets")
     p.add_argument("--preset", type=_preset, default=DEFAULT_PRESET, help=f"layer preset (default {DEFAULT_PRESET})")
     p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="bf16 (default), fp32 or fp16")
+    p.add_argument("--quant", type=_quant_formats, default=None,
+                   help="quantized formats to ask the oracle about, comma-separated (default: all of int8_w8a8, "
+                        "int4_w4a16, fp8_w8a16, mxfp4_w4a16; aliases int8, int4, fp8, mxfp4)")
+    p.add_argument("--group-size", type=int, default=128, help="int4 group / fp8 k block (default 128)")
     p.set_defaults(func=_cmd_info)
 
 
@@ -107,6 +133,44 @@ def _cmd_info(args) -> int:
     console.print(f"\n[bold]{preset.name}[/] H={preset.hidden} I={preset.inter} E={preset.experts} k={preset.top_k} "
                   f"{str(dtype).removeprefix('torch.')} {preset.activation}: the oracle chooses [bold]{chosen}[/]")
     console.print(_choice_table(path_report(config), chosen))
+    return _info_quantized(console, preset, args.quant, args.group_size)
+
+
+def _info_quantized(console: Console, preset, names: list[str] | None, group_size: int) -> int:
+    """For each quantized format (bf16 activations): the oracle's choice for the layer and every path's reason."""
+    from cpumoe.bench.layer import check_format, experts_config, parse_weight_format
+    from cpumoe.experts import NoSupportedPath, all_paths, choose_path, path_report
+    from cpumoe.quant import QuantFormat
+
+    if group_size < 1:
+        sys.exit("cpumoe info: error: --group-size must be positive")
+    formats = [parse_weight_format(name, group_size) for name in (names or [f.value for f in QuantFormat])]
+    table = Table(title=f"{preset.name}, quantized weights over bf16 activations: every path's verdict",
+                  title_justify="left")
+    table.add_column("path", no_wrap=True)
+    for fmt in formats:
+        table.add_column(fmt.name)
+    verdicts: dict[str, list[str]] = {p.name: [] for p in all_paths()}
+    for fmt in formats:
+        try:
+            check_format(preset, fmt)
+        except ValueError as e:   # a shape the format's groups cannot take
+            console.print(f"[bold]{fmt.describe()}[/]: [yellow]{e}[/]")
+            for cells in verdicts.values():
+                cells.append("-")
+            continue
+        config = experts_config(preset, fmt)
+        try:
+            chosen = choose_path(config).name
+        except NoSupportedPath:
+            chosen = None
+        report = path_report(config)
+        console.print(f"[bold]{fmt.describe()}[/]: the oracle chooses [bold]{chosen or 'no path'}[/]")
+        for name, ok, why in report:
+            verdicts[name].append("[bold green]chosen[/]" if name == chosen else "supported" if ok else f"[dim]{why}[/]")
+    for name, cells in verdicts.items():
+        table.add_row(name, *cells)
+    console.print(table)
     return 0
 
 
@@ -149,7 +213,10 @@ def _add_bench(commands) -> None:
     p.add_argument("--topk", type=int, help="override k")
     p.add_argument("--tokens", type=_positive_ints, default=[1, 8, 32, 128, 512, 2048],
                    help="token counts M, comma-separated (default 1,8,32,128,512,2048)")
-    p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="bf16 (default), fp32 or fp16")
+    p.add_argument("--dtype", type=_weight_formats, default=["bf16"],
+                   help="weight formats, comma-separated: bf16 (default), fp32, fp16, and quantized int8, int4, "
+                        "fp8, mxfp4 (or int8_w8a8, int4_w4a16, fp8_w8a16, mxfp4_w4a16; on bf16 activations)")
+    p.add_argument("--group-size", type=int, default=128, help="int4 group / fp8 k block along K (default 128)")
     p.add_argument("--paths", type=_names, help="only these experts paths, comma-separated (default: all available)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write every result and the machine's limits here")
@@ -157,7 +224,9 @@ def _add_bench(commands) -> None:
     p.set_defaults(func=_cmd_bench_layer)
 
     p = bench.add_parser("model", help="the offline engine on random prompts: TTFT, ITL, throughput, decode GB/s")
-    p.add_argument("model", help="a local Hugging Face checkpoint directory (e.g. from cpumoe make-model)")
+    p.add_argument("model", nargs="+",
+                   help="a local Hugging Face checkpoint directory (e.g. from cpumoe make-model); several (e.g. one "
+                        "and its `cpumoe quantize` twins) are measured side by side against the first")
     p.add_argument("--batch", type=_positive_ints, default=[1, 16], help="batch sizes (default 1,16)")
     p.add_argument("--input-len", type=_positive_ints, default=[128, 512], help="prompt lengths (default 128,512)")
     p.add_argument("--output-len", type=_positive_ints, default=[128], help="output lengths (default 128)")
@@ -188,7 +257,7 @@ def _layer_preset(args):
 
 
 def _cmd_bench_layer(args) -> int:
-    from cpumoe.bench.layer import experts_config, render_layer_report, run_layer_bench, select_paths
+    from cpumoe.bench.layer import parse_weight_format, render_layer_report, run_layer_bench, select_cases
 
     if args.threads is not None:
         if args.threads < 1:
@@ -197,10 +266,11 @@ def _cmd_bench_layer(args) -> int:
     preset = _layer_preset(args)
     console = _console()
     try:
-        paths = select_paths(experts_config(preset, args.dtype), args.paths)
-    except ValueError as e:   # an unknown or unsupported --paths entry
+        formats = [parse_weight_format(name, args.group_size) for name in args.dtype]
+        select_cases(preset, formats, args.paths)   # fail now, not after measuring the machine
+    except ValueError as e:   # an unknown --paths entry, a group size the shape cannot take, nothing to run
         sys.exit(f"cpumoe bench layer: error: {e}")
-    report = run_layer_bench(preset, args.dtype, args.tokens, paths=paths, quick=args.quick,
+    report = run_layer_bench(preset, formats, args.tokens, paths=args.paths, quick=args.quick,
                              progress=Console(stderr=True))
     render_layer_report(report, console)
     _write_json(report, args.json, console)
@@ -217,7 +287,8 @@ def _write_json(report: dict, path: str | None, console: Console) -> None:
 def _cmd_bench_model(args) -> int:
     import itertools
 
-    from cpumoe.bench.model import ModelCase, render_model_report, run_model_bench
+    from cpumoe.bench.model import (ModelCase, render_formats_report, render_model_report, run_formats_bench,
+                                    run_model_bench)
 
     if args.threads is not None:
         if args.threads < 1:
@@ -228,11 +299,17 @@ def _cmd_bench_model(args) -> int:
     try:
         if args.repeats < 1:
             raise ValueError("--repeats must be positive")
-        report = run_model_bench(args.model, cases, dtype=args.dtype, compare_naive=args.compare == "naive",
-                                 quick=args.quick, repeats=args.repeats, progress=Console(stderr=True))
+        if len(args.model) > 1:
+            if args.compare:
+                raise ValueError("--compare naive takes one checkpoint")
+            report = run_formats_bench(args.model, cases, dtype=args.dtype, quick=args.quick, repeats=args.repeats,
+                                       progress=Console(stderr=True))
+        else:
+            report = run_model_bench(args.model[0], cases, dtype=args.dtype, compare_naive=args.compare == "naive",
+                                     quick=args.quick, repeats=args.repeats, progress=Console(stderr=True))
     except ValueError as e:  # a checkpoint that is missing, incomplete or not supported
         sys.exit(f"cpumoe bench model: error: {e}")
-    render_model_report(report, console)
+    (render_formats_report if len(args.model) > 1 else render_model_report)(report, console)
     _write_json(report, args.json, console)
     return 0
 

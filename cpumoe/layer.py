@@ -102,7 +102,7 @@ class FusedMoE(nn.Module):
             if expert_reader is None or not num_local_experts:
                 raise ValueError("from_quantized needs w13 and w2, or num_local_experts and an expert_reader")
             first13, first2 = expert_reader(0)
-            w13, w2 = _shape_only(first13, num_local_experts), _shape_only(first2, num_local_experts)
+            w13, w2 = first13.meta_stack(num_local_experts), first2.meta_stack(num_local_experts)
         return cls(w13, w2, top_k=top_k, expert_reader=expert_reader, dtype=dtype, **kwargs)
 
     @property
@@ -167,12 +167,6 @@ def _check_shapes(w13_shape, w2_shape, w13_bias, w2_bias) -> None:
         raise ValueError(f"w13_bias must be [E={E}, 2I={two_inter}], got {list(w13_bias.shape)}")
     if w2_bias is not None and w2_bias.shape != (E, hidden):
         raise ValueError(f"w2_bias must be [E={E}, H={hidden}], got {list(w2_bias.shape)}")
-
-
-def _shape_only(w: QuantizedWeight, experts: int) -> QuantizedWeight:
-    """A stack of `experts` copies of w's shapes on the meta device: what the layer checks before reading."""
-    meta = lambda t: None if t is None else torch.empty((experts, *t.shape), dtype=t.dtype, device="meta")  # noqa: E731
-    return QuantizedWeight(w.format, meta(w.qweight), meta(w.scales), meta(w.zeros), w.group_size)
 
 
 def _op_group(w13: QuantizedWeight, w2: QuantizedWeight) -> int:

@@ -30,7 +30,8 @@ fi
 stamp=.venv/.cpumoe-deps
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q setuptools wheel
-  .venv/bin/pip install -q torch==2.13.0 numpy rich pytest transformers safetensors tokenizers fastapi uvicorn prometheus_client openai httpx
+  .venv/bin/pip install -q torch==2.13.0 numpy rich pytest transformers safetensors tokenizers fastapi uvicorn prometheus_client openai httpx \
+    compressed-tensors
   touch "$stamp"
 fi
 # Rebuild the extension when a C++ source or the build script changed.

@@ -5,10 +5,11 @@ import sys
 
 import pytest
 import torch
+from rich.console import Console
 
-from cpumoe.bench.layer import experts_config
+from cpumoe.bench.layer import experts_config, parse_weight_format
 from cpumoe.cli import main
-from cpumoe.experts import all_paths, choose_path
+from cpumoe.experts import all_paths, choose_path, path_report
 from cpumoe.presets import get_preset
 
 
@@ -31,6 +32,27 @@ def test_info_fp16_rejects_bf16_only_paths(capsys):
             assert f"not supported: {why}" in out
 
 
+def test_info_quantized_formats(capsys, monkeypatch):
+    """Every quantized format: the oracle's choice for the layer and every path's verdict, from path_report."""
+    monkeypatch.setattr("cpumoe.cli._console", lambda: Console(width=500))   # no reason wrapped over two lines
+    assert main(["info", "--preset", "qwen3-30b-a3b"]) == 0
+    out = capsys.readouterr().out
+    preset = get_preset("qwen3-30b-a3b")
+    for name in ("int8", "int4", "fp8", "mxfp4"):
+        fmt = parse_weight_format(name, 128)
+        config = experts_config(preset, fmt)
+        assert f"{fmt.describe()}: the oracle chooses {choose_path(config).name}" in out
+        for path, ok, why in path_report(config):
+            assert ok or why in out, (fmt.name, path, why)
+
+
+def test_info_one_format(capsys):
+    assert main(["info", "--preset", "olmoe-1b-7b", "--quant", "int4", "--group-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "int4_w4a16 g64 (bfloat16 activations): the oracle chooses" in out
+    assert "int8_w8a8" not in out and "mxfp4_w4a16" not in out
+
+
 def test_unknown_preset(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["info", "--preset", "no-such-model"])
@@ -42,10 +64,11 @@ def test_unknown_preset(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["bench", "layer", "--tokens", "1,x"], "expected comma-separated integers"),
     (["bench", "layer", "--tokens", "0"], "expected positive integers"),
-    (["bench", "layer", "--dtype", "int8"], "unknown dtype 'int8'"),
+    (["bench", "layer", "--dtype", "bf16,int3"], "unknown dtype 'int3'"),
+    (["info", "--quant", "int3"], "unknown quantization format 'int3'"),
     (["bench"], "required"),
     ([], "required"),
-], ids=["tokens-not-int", "tokens-zero", "dtype", "bench-no-subcommand", "no-command"])
+], ids=["tokens-not-int", "tokens-zero", "dtype", "quant", "bench-no-subcommand", "no-command"])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

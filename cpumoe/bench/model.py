@@ -38,7 +38,7 @@ from cpumoe.engine.api import SamplingParams
 from cpumoe.engine.config import EngineConfig
 from cpumoe.loader import Checkpoint
 from cpumoe.models.blocks import MoEBlock
-from cpumoe.models.packed_linear import PackedLinear
+from cpumoe.models.packed_linear import PackedLinear, QuantizedLinear
 from cpumoe.routing import select_experts
 
 MM_SIZE = 4096
@@ -76,23 +76,17 @@ class ModelResult:
 
 @dataclass(frozen=True, slots=True)
 class WeightBytes:
-    """What a step reads and a token computes, from the loaded model."""
+    """What a step reads and a token computes, from the loaded model. Bytes are those the kernels stream: the
+    packed (quantized, for a quantized checkpoint) weights, scales included."""
     dense_elems: int      # every weight but the embedding table and the experts (all read once per step)
     expert_elems: int     # one expert's w13 + w2
-    element_size: int
+    dense: int            # their bytes as held
+    expert: int           # one expert's bytes as packed
     moe_layers: int
     experts: int          # E
     top_k: int
     kv_per_token: int     # bytes of K and V of one token, all layers
     head_elems: int = 0   # the lm_head's (in dense_elems): a prefill computes it for the last token only
-
-    @property
-    def dense(self) -> int:
-        return self.dense_elems * self.element_size
-
-    @property
-    def expert(self) -> int:
-        return self.expert_elems * self.element_size
 
     def distinct_experts(self, tokens: int) -> float:
         """Expected distinct experts per layer for `tokens` uniformly routed tokens."""
@@ -117,14 +111,21 @@ def weight_bytes(engine: LLMEngine) -> WeightBytes:
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     embed = model.model.embed_tokens.weight
     # Parameters, plus the projections packed for cpumoe's kernels (a buffer each; routers keep `.weight` too).
-    packed = sum(m.in_features * m.out_features for m in model.modules()
-                 if isinstance(m, PackedLinear) and m.weight is None)
-    dense_elems = sum(p.numel() for p in model.parameters()) + packed - embed.numel()
+    packed = [m for m in model.modules()
+              if (isinstance(m, PackedLinear) and m.weight is None) or isinstance(m, QuantizedLinear)]
+    held = [m.packed_weight if m.packed_weight is not None else m.dense_weight for m in packed]
+    dense_elems = sum(p.numel() for p in model.parameters()) + sum(m.in_features * m.out_features for m in packed) \
+        - embed.numel()
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(t.nbytes for t in held) \
+        - embed.nbytes
     if getattr(model.config, "tie_word_embeddings", False):
         dense_elems += embed.numel()  # the tied lm_head is read every step
+        dense += embed.nbytes
     b = blocks[0]
-    return WeightBytes(dense_elems=dense_elems, expert_elems=3 * b.hidden_size * b.inter_size,
-                       element_size=embed.element_size(), moe_layers=len(blocks), experts=b.num_experts,
+    prepared = b.experts.prepared
+    return WeightBytes(dense_elems=dense_elems, expert_elems=3 * b.hidden_size * b.inter_size, dense=dense,
+                       expert=(prepared.w13.nbytes + prepared.w2.nbytes) // b.num_experts,
+                       moe_layers=len(blocks), experts=b.num_experts,
                        top_k=b.top_k, kv_per_token=_kv_bytes_per_token(engine),
                        head_elems=model.config.vocab_size * model.config.hidden_size)
 
@@ -136,6 +137,16 @@ def _kv_bytes_per_token(engine: LLMEngine) -> int:
 
 def experts_path(engine: LLMEngine) -> str:
     return next(m.experts.backend for m in engine.model.modules() if isinstance(m, MoEBlock))
+
+
+def weights_format(engine: LLMEngine) -> str:
+    """The experts' format, and the dense projections' where they are quantized: "bf16", "int8_w8a8", ..."""
+    experts = next(m.experts.quantization for m in engine.model.modules() if isinstance(m, MoEBlock))
+    linears = {m.format.value for m in engine.model.modules() if isinstance(m, QuantizedLinear)}
+    dtype = str(engine.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "fp")
+    if experts == "none":
+        return dtype
+    return experts if linears == {experts} else f"{experts} experts, {'/'.join(sorted(linears)) or dtype} dense"
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +263,18 @@ def reset_peak_rss() -> None:
         pass
 
 
+def current_rss_gb() -> float:
+    """Resident memory now (GB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return 0.0
+
+
 def peak_rss_gb() -> float:
     """Resident memory high-water mark since the last reset_peak_rss (GB)."""
     try:
@@ -286,7 +309,7 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
     engine = LLMEngine(model_path, dtype=dtype, config=config)
     load_rss = {"fused": peak_rss_gb()}
     weights = weight_bytes(engine)
-    model_dtype, path = engine.dtype, experts_path(engine)
+    model_dtype, path, fmt = engine.dtype, experts_path(engine), weights_format(engine)
     limits = MachineLimits(probe_bytes=(256 << 20) if quick else (1 << 30),
                            mm_size=QUICK_MM_SIZE if quick else MM_SIZE, dtype=model_dtype)
     results = []
@@ -312,11 +335,111 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
     results.sort(key=lambda r: order[ModelCase(r.batch, r.input_len, r.output_len)])  # case by case (stable)
     return dict(model=str(model_path), dtype=str(model_dtype).removeprefix("torch."), cpu=cpu_model(),
                 threads=torch.get_num_threads(), features=ops.cpu_features(), experts_path=path,
+                weights_format=fmt,
                 weights=dict(asdict(weights), dense=weights.dense, expert=weights.expert),
                 load_peak_rss_gb=load_rss["fused"], load_peak_rss_gb_by_engine=load_rss,
                 checkpoint_gb=Checkpoint(model_path).weights_bytes / 1e9,
                 kv_cache_gb=config.num_blocks * config.block_size * weights.kv_per_token / 1e9,
                 results=[asdict(r) for r in results], batch_scaling=batch_scaling(results, weights))
+
+
+def run_formats_bench(model_paths: Sequence, cases: Sequence[ModelCase], *, dtype: torch.dtype | None = None,
+                      quick: bool = False, repeats: int = REPEATS, progress: Console | None = None) -> dict:
+    """Several checkpoints of one model (bf16 and its quantized twins from `cpumoe quantize`) side by side: all
+    engines stay loaded and every repetition runs each case on each in turn, so the ratios to the first checkpoint
+    (decode tokens/s, prefill rate) come from the same minutes. Beside each decode ratio, the most a weight stream
+    allows: the first checkpoint's decode-step bytes over this one's. Memory: each engine's load is measured as the
+    resident growth and peak while it loads (the others already resident); per-case peaks hold every engine."""
+    repeats = 1 if quick else repeats
+    config = engine_config(cases)
+    engines, models = [], []
+    for path in model_paths:
+        before = current_rss_gb()
+        reset_peak_rss()
+        engine = LLMEngine(path, dtype=dtype, config=config)
+        peak, after = peak_rss_gb(), current_rss_gb()
+        weights = weight_bytes(engine)
+        engines.append((engine, weights))
+        models.append(dict(model=str(path), weights_format=weights_format(engine), experts_path=experts_path(engine),
+                           checkpoint_gb=Checkpoint(path).weights_bytes / 1e9, load_rss_gb=after - before,
+                           load_peak_over_start_gb=peak - before,
+                           weights=dict(asdict(weights)), dtype=str(engine.dtype).removeprefix("torch.")))
+    limits = MachineLimits(probe_bytes=(256 << 20) if quick else (1 << 30),
+                           mm_size=QUICK_MM_SIZE if quick else MM_SIZE, dtype=engines[0][0].dtype)
+    for (engine, weights), m in zip(engines, models):
+        for case in cases:
+            if progress is not None:
+                progress.print(f"[dim]{m['weights_format']}: warm-up, batch {case.batch}, input {case.input_len}[/]")
+            run_case(engine, case, limits, weights)
+    runs: dict[tuple[int, ModelCase], list[ModelResult]] = {}
+    for rep in range(repeats):
+        if progress is not None:
+            progress.print(f"[dim]repetition {rep + 1} of {repeats}: {len(cases)} cases x {len(engines)} checkpoints[/]")
+        for case in cases:
+            for i, (engine, weights) in enumerate(engines):
+                runs.setdefault((i, case), []).append(run_case(engine, case, limits, weights, seed=1 + rep))
+    results = []
+    for case in cases:
+        for i, m in enumerate(models):
+            rs = runs[(i, case)]
+            results.append(dict(asdict(sorted(rs, key=lambda r: r.e2e_s)[len(rs) // 2]), model=i,
+                                weights_format=m["weights_format"]))
+    return dict(cpu=cpu_model(), threads=torch.get_num_threads(), features=ops.cpu_features(), models=models,
+                kv_cache_gb=config.num_blocks * config.block_size * engines[0][1].kv_per_token / 1e9,
+                results=results, comparison=format_comparison(results, [w for _, w in engines]))
+
+
+def format_comparison(results: Sequence[dict], weights: Sequence[WeightBytes]) -> list[dict]:
+    """Each checkpoint's case against the first checkpoint's same case: decode and prefill speed-ups, and the
+    decode bound (bytes of the first's decode step over this one's, at this case's measured routing)."""
+    first = {(r["batch"], r["input_len"], r["output_len"]): r for r in results if r["model"] == 0}
+    rows = []
+    for r in results:
+        base = first[(r["batch"], r["input_len"], r["output_len"])]
+        if r["model"] == 0:
+            continue
+        context = r["input_len"] + r["output_len"] / 2
+        bound = weights[0].decode_step_bytes(r["batch"], context, base["decode_experts_per_layer"]) / \
+            weights[r["model"]].decode_step_bytes(r["batch"], context, r["decode_experts_per_layer"])
+        rows.append(dict(weights_format=r["weights_format"], model=r["model"], batch=r["batch"],
+                         input_len=r["input_len"], output_len=r["output_len"],
+                         decode_speedup=r["decode_tok_s"] / base["decode_tok_s"], decode_bound=bound,
+                         prefill_speedup=r["prefill_gflops"] / base["prefill_gflops"],
+                         ttft_ratio=base["ttft_ms"] / r["ttft_ms"]))
+    return rows
+
+
+def render_formats_report(report: dict, console: Console) -> None:
+    console.print(f"CPU {report['cpu']}  threads {report['threads']}  KV cache {report['kv_cache_gb']:.2f} GB each")
+    models = Table(title="checkpoints (loaded together; memory is each one's growth while it loads)",
+                   title_justify="left")
+    for name in ("#", "weights", "experts path", "checkpoint GB", "dense GB", "expert MB", "loaded GB",
+                 "x checkpoint"):
+        models.add_column(name, justify="right", no_wrap=True)
+    for i, m in enumerate(report["models"]):
+        w = m["weights"]
+        models.add_row(str(i), m["weights_format"], m["experts_path"], f"{m['checkpoint_gb']:.2f}",
+                       f"{w['dense'] / 1e9:.2f}", f"{w['expert'] / 1e6:.2f}", f"{m['load_rss_gb']:.2f}",
+                       f"{m['load_rss_gb'] / m['checkpoint_gb']:.2f}x")
+    console.print(models)
+    table = Table(title="side by side (each case on each checkpoint in turn, every repetition)", title_justify="left")
+    for name in ("batch", "in", "out", "weights", "TTFT ms", "ITL ms", "decode tok/s", "decode GB/s", "% bw",
+                 "prefill GFLOP/s", "% mm"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for r in report["results"]:
+        table.add_row(str(r["batch"]), str(r["input_len"]), str(r["output_len"]), r["weights_format"],
+                      f"{r['ttft_ms']:.1f}", f"{r['itl_ms']:.2f}", f"{r['decode_tok_s']:.1f}", f"{r['decode_gbs']:.1f}",
+                      f"{r['decode_bandwidth_pct']:.0f}%", f"{r['prefill_gflops']:.0f}", f"{r['prefill_mm_pct']:.0f}%")
+    console.print(table)
+    comparison = Table(title=f"against {report['models'][0]['weights_format']} (same run; bound: decode-step bytes)",
+                       title_justify="left")
+    for name in ("batch", "in", "out", "weights", "decode speedup", "bound", "% of bound", "prefill speedup"):
+        comparison.add_column(name, justify="right", no_wrap=True)
+    for c in report["comparison"]:
+        comparison.add_row(str(c["batch"]), str(c["input_len"]), str(c["output_len"]), c["weights_format"],
+                           f"{c['decode_speedup']:.2f}x", f"{c['decode_bound']:.2f}x",
+                           f"{100 * c['decode_speedup'] / c['decode_bound']:.0f}%", f"{c['prefill_speedup']:.2f}x")
+    console.print(comparison)
 
 
 def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes) -> list[dict]:
@@ -344,7 +467,8 @@ def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes) -> list[
 
 def render_model_report(report: dict, console: Console) -> None:
     w = report["weights"]
-    console.print(f"[bold]{report['model']}[/]  {report['dtype']}  experts path [bold]{report['experts_path']}[/]  "
+    console.print(f"[bold]{report['model']}[/]  {report['dtype']}  weights [bold]{report.get('weights_format', '?')}[/]  "
+                  f"experts path [bold]{report['experts_path']}[/]  "
                   f"CPU {report['cpu']}  threads {report['threads']}")
     loads = report.get("load_peak_rss_gb_by_engine") or {"fused": report["load_peak_rss_gb"]}
     peaks = ", ".join(f"{name} {gb:.2f} GB" for name, gb in loads.items())

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from cpumoe.experts.base import ExpertsConfig, ExpertsPath, PreparedExperts, check_common
-from cpumoe.quant import dequantize
+from cpumoe.quant import QuantizedWeight, dequantize
 from cpumoe.reference import activate
 
 
@@ -22,7 +22,8 @@ class NaiveExperts(ExpertsPath):
         return PreparedExperts(w13=w13.contiguous(), w2=w2.contiguous(), w13_bias=w13_bias, w2_bias=w2_bias)
 
     def prepare_quantized(self, config, w13, w2, w13_bias, w2_bias) -> PreparedExperts:
-        return self.prepare(dequantize(w13).to(config.dtype), dequantize(w2).to(config.dtype), w13_bias, w2_bias)
+        return self.prepare(_dequantize_experts(w13, config.dtype), _dequantize_experts(w2, config.dtype), w13_bias,
+                            w2_bias)
 
     def apply(self, prepared, config, hidden_states, topk_weights, topk_ids, expert_map):
         x = hidden_states
@@ -43,3 +44,15 @@ class NaiveExperts(ExpertsPath):
                 y = y.float() * topk_weights[tokens, slots, None]
             out.index_add_(0, tokens, y.float())
         return out.to(x.dtype)
+
+
+DEQUANTIZE_CHUNK = 8  # experts at a time: dequantize's float32 temporaries are several times the weights' size
+
+
+def _dequantize_experts(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """A stack [E, N, K] dequantized into `dtype`, DEQUANTIZE_CHUNK experts at a time (a whole Qwen3-30B layer at
+    once would need ~10 GB of temporaries)."""
+    out = torch.empty(w.shape, dtype=dtype)
+    for e in range(0, w.shape[0], DEQUANTIZE_CHUNK):
+        out[e:e + DEQUANTIZE_CHUNK] = dequantize(w[e:e + DEQUANTIZE_CHUNK])
+    return out

@@ -16,6 +16,12 @@ Supported (model_type: examples), all one decoder (moe_decoder.py) under a per-a
                         name ends in one of model.fp32_parameters: routers transformers keeps in float32)
                      -> every MoEBlock <- w13 / w2 stacked expert by expert (model.expert_weights), or what
                         model.experts_from_checkpoint reads (transposed, de-interleaved, dequantized) -> FusedMoE packs
+                     -> the remaining nn.Linear modules -> PackedLinear
+
+Quantized checkpoints (cpumoe.loader.quantized: compressed-tensors, GPTQ, AWQ, block FP8, MXFP4) keep their format:
+each quantized nn.Linear becomes a QuantizedLinear, experts are read as QuantizedWeights one expert at a time and
+packed by FusedMoE in that format. A quantized weight that a model reads as a tensor (not through a linear:
+DeepSeek's absorbed kv_b_proj) is dequantized to the model dtype, and the log says so.
 """
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ import torch
 from torch import nn
 
 from cpumoe.loader import Checkpoint, CheckpointError
+from cpumoe.loader.quantized import QuantizedCheckpoint
+from cpumoe.logs import logger
 from cpumoe.models.blocks import ExpertWeights, MoEBlock
 from cpumoe.models.deepseek_v2 import DeepseekV2ForCausalLM
 from cpumoe.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -32,9 +40,10 @@ from cpumoe.models.gpt_oss import GptOssForCausalLM
 from cpumoe.models.mixtral import MixtralForCausalLM
 from cpumoe.models.moe_decoder import MoeDecoderForCausalLM
 from cpumoe.models.olmoe import OlmoeForCausalLM
-from cpumoe.models.packed_linear import pack_linears
+from cpumoe.models.packed_linear import QuantizedLinear, pack_linears
 from cpumoe.models.qwen2_moe import Qwen2MoeForCausalLM
 from cpumoe.models.qwen3_moe import Qwen3MoeForCausalLM
+from cpumoe.quant import QuantizedWeight, concat_rows, dequantize
 
 MODELS: dict[str, type[MoeDecoderForCausalLM]] = {
     "deepseek_v2": DeepseekV2ForCausalLM,
@@ -63,12 +72,14 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, backend: str 
     config = cls.config_from_checkpoint(ckpt)
     with torch.device("meta"):
         model = cls(config, backend=backend)
-    load_weights(model, ckpt, dtype)
+    quantized = QuantizedCheckpoint(ckpt)
+    load_weights(model, ckpt, dtype, quantized if quantized.format is not None else None, backend)
     pack_linears(model, dtype, backend)
     return model.eval()
 
 
-def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None:
+def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, quantized: QuantizedCheckpoint | None = None,
+                 backend: str = "auto") -> None:
     """Memory: tensors are read with file reads (Checkpoint.read), not memory-mapped, so the checkpoint's pages are
     never resident beside the model; per-expert checkpoints are read and packed one expert at a time (peak: the
     model + one expert), fused ones ([E, rows, cols] tensors) one layer at a time. A model whose experts need more
@@ -76,8 +87,10 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None
     experts_from_checkpoint(ckpt, prefix, block, dtype) -> the block's load_experts arguments, an expert_reader
     among them (one expert at a time)."""
     fp32 = tuple(getattr(model, "fp32_parameters", ()))
+    if quantized is not None:
+        _quantized_linears(model, quantized, dtype, backend)
     for name, param in list(model.named_parameters()):
-        tensor = _read(ckpt, name, tuple(param.shape))
+        tensor = _read_dense(ckpt, quantized, name, tuple(param.shape))
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         target = torch.float32 if name.endswith(fp32) else dtype
@@ -91,6 +104,8 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None
         if experts_from_checkpoint is not None:
             block.load_experts(**experts_from_checkpoint(ckpt, prefix, block, dtype))
             continue
+        if quantized is not None and _load_quantized_experts(block, prefix, specs, quantized, dtype):
+            continue
         shapes = block.expert_shapes
         if any(spec.fused is not None and f"{prefix}.{spec.fused}" in ckpt for spec in specs.values()):
             block.load_experts(**{key: _read(ckpt, f"{prefix}.{spec.fused}", shapes[key]).to(dtype).contiguous()
@@ -102,6 +117,68 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None
 
         meta = {key: torch.empty(shapes[key], dtype=dtype, device="meta") for key in ("w13", "w2")}
         block.load_experts(meta["w13"], meta["w2"], expert_reader=read_expert)
+
+
+def _quantized_linears(model: nn.Module, quantized: QuantizedCheckpoint, dtype: torch.dtype, backend: str) -> None:
+    """Every nn.Linear stored quantized becomes a QuantizedLinear holding that checkpoint's codes and scales (its
+    bias, if any, is then loaded as an ordinary parameter)."""
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear:
+            continue
+        qw = quantized.linear(name)
+        if qw is None:
+            continue
+        if tuple(qw.shape) != (module.out_features, module.in_features):
+            raise CheckpointError(f"quantized {name!r} in {quantized.ckpt.path} is {list(qw.shape)}, expected "
+                                  f"[{module.out_features}, {module.in_features}]")
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr,
+                QuantizedLinear(qw, has_bias=module.bias is not None, dtype=dtype, backend=backend))
+
+
+def _read_dense(ckpt: Checkpoint, quantized: QuantizedCheckpoint | None, name: str,
+                shape: tuple[int, ...]) -> torch.Tensor:
+    """A parameter as a tensor; a quantized weight the model reads directly is dequantized (and logged)."""
+    if quantized is not None and name.endswith(".weight"):
+        qw = quantized.linear(name.removesuffix(".weight"))
+        if qw is not None:
+            logger.info("%s: %s weight dequantized (the model reads it as a tensor, not through a linear)", name,
+                        qw.format.value)
+            if tuple(qw.shape) != shape:
+                raise CheckpointError(f"quantized {name!r} in {ckpt.path} is {list(qw.shape)}, expected {list(shape)}")
+            return dequantize(qw)
+    return _read(ckpt, name, shape)
+
+
+def _load_quantized_experts(block: MoEBlock, prefix: str, specs: dict[str, ExpertWeights],
+                            quantized: QuantizedCheckpoint, dtype: torch.dtype) -> bool:
+    """Hands the block its experts as QuantizedWeights read one expert at a time; False when this checkpoint
+    stores the block's experts unquantized."""
+    def read(key: str, e: int) -> QuantizedWeight | None:
+        parts = [quantized.linear(f"{prefix}.{pattern.format(e=e)}".removesuffix(".weight"))
+                 for pattern in specs[key].per_expert]
+        if all(p is None for p in parts):
+            return None
+        if any(p is None for p in parts):
+            raise CheckpointError(f"experts {specs[key].per_expert} of {prefix} mix quantized and float tensors")
+        return parts[0] if len(parts) == 1 else concat_rows(parts)
+
+    first13, first2 = read("w13", 0), read("w2", 0)
+    if first13 is None and first2 is None:
+        return False
+    if first13 is None or first2 is None:
+        raise CheckpointError(f"experts of {prefix}: w13 and w2 must both be quantized or both float")
+    shapes = block.expert_shapes
+    if (block.num_experts, *first13.shape) != shapes["w13"] or (block.num_experts, *first2.shape) != shapes["w2"]:
+        raise CheckpointError(f"experts of {prefix}: quantized w13 {list(first13.shape)} and w2 {list(first2.shape)} "
+                              f"do not fit {list(shapes['w13'][1:])} and {list(shapes['w2'][1:])}")
+
+    def read_expert(e: int) -> tuple[QuantizedWeight, QuantizedWeight]:
+        return read("w13", e), read("w2", e)
+
+    block.load_experts(first13.meta_stack(block.num_experts), first2.meta_stack(block.num_experts),
+                       expert_reader=read_expert, dtype=dtype)
+    return True
 
 
 def _read(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -340,10 +340,11 @@ class MoEBlock(nn.Module):
         E, I, H = self.num_experts, self.inter_size, self.hidden_size
         return {"w13": (E, 2 * I, H), "w2": (E, H, I)}
 
-    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, expert_reader=None) -> None:
-        """w13 [E, 2I, H], w2 [E, H, I]; or meta tensors of those shapes and an expert_reader (see FusedMoE)."""
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, expert_reader=None, dtype=None) -> None:
+        """w13 [E, 2I, H], w2 [E, H, I] (float tensors or cpumoe.quant.QuantizedWeight stacks); or meta ones of
+        those shapes and an expert_reader (see FusedMoE). dtype: the activations' dtype of quantized experts."""
         self.experts = FusedMoE(w13, w2, top_k=self.top_k, renormalize=self.renormalize, backend=self.backend,
-                                expert_reader=expert_reader)
+                                expert_reader=expert_reader, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H]
         if self.experts is None:

@@ -152,9 +152,9 @@ class DeepseekV2MoE(MoEBlock):
         self.routing = dict(scoring=scoring, num_expert_group=num_expert_group, topk_group=topk_group,
                             routed_scaling_factor=routed_scaling_factor)
 
-    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, expert_reader=None) -> None:  # see MoEBlock
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, expert_reader=None, dtype=None) -> None:  # see MoEBlock
         self.experts = FusedMoE(w13, w2, top_k=self.top_k, renormalize=self.renormalize, backend=self.backend,
-                                expert_reader=expert_reader, **self.routing)
+                                expert_reader=expert_reader, dtype=dtype, **self.routing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H]
         if self.experts is None:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from cpumoe.layer import FusedMoE
-from cpumoe.loader import Checkpoint, CheckpointError, mxfp4
+from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.models.blocks import MoEBlock
 from cpumoe.models.deepseek_v2 import (DEFAULTS, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV2MoE,
                                        DeepseekV2TopkRouter, config_fields)
@@ -57,7 +57,6 @@ class DeepseekV3Config(DeepseekV2Config):
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> "DeepseekV3Config":
         get = ckpt.config_get
-        mxfp4.check_quantization(ckpt, supported=())
         if (scoring := get("scoring_func", default="sigmoid")) != "sigmoid":
             raise CheckpointError(f"{ckpt.path}: scoring_func {scoring!r} is not supported (DeepSeek-V3: sigmoid)")
         return cls(**config_fields(ckpt, TOPK_METHODS, V3_DEFAULTS),
@@ -86,11 +85,11 @@ class DeepseekV3MoE(DeepseekV2MoE):
                          renormalize=renormalize, backend=backend)
         self.gate = DeepseekV3TopkRouter(hidden_size, num_experts)
 
-    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, expert_reader=None) -> None:  # see MoEBlock
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, expert_reader=None, dtype=None) -> None:  # see MoEBlock
         """As DeepseekV2MoE's, plus the router's correction bias (loaded before the experts)."""
         self.experts = FusedMoE(w13, w2, top_k=self.top_k, renormalize=self.renormalize, backend=self.backend,
                                 expert_reader=expert_reader, e_score_correction_bias=self.gate.e_score_correction_bias,
-                                **self.routing)
+                                dtype=dtype, **self.routing)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -30,9 +30,11 @@ from torch import nn
 
 from cpumoe.layer import FusedMoE
 from cpumoe.loader import Checkpoint, CheckpointError, mxfp4
+from cpumoe.loader.quantized import QuantizedCheckpoint
 from cpumoe.models.blocks import Attention, MoEBlock, QKNorm, RMSNorm
 from cpumoe.models.moe_decoder import ArchSpec, DecoderLayer, MoeDecoderForCausalLM, MoeDecoderModel
 from cpumoe.models.rope import rope_from_config
+from cpumoe.quant import QuantizedWeight
 from cpumoe.reference import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -113,11 +115,12 @@ class GptOssMoE(MoEBlock):
         del self.gate  # the router is named `router` here, and has a bias
         self.router = nn.Linear(hidden_size, num_experts, bias=True)
 
-    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, expert_reader=None, *,
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor, expert_reader=None, dtype=None, *,
                      w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> None:
         """As MoEBlock's, plus w13_bias [E, 2I] (gate then up, like w13's rows) and w2_bias [E, H]."""
         self.experts = FusedMoE(w13, w2, top_k=self.top_k, activation="swigluoai", renormalize=True,
-                                w13_bias=w13_bias, w2_bias=w2_bias, backend=self.backend, expert_reader=expert_reader)
+                                w13_bias=w13_bias, w2_bias=w2_bias, backend=self.backend, expert_reader=expert_reader,
+                                dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H]
         if self.experts is None:
@@ -178,11 +181,22 @@ class GptOssForCausalLM(MoeDecoderForCausalLM):
         name = f"{prefix}.experts"
         w13_bias = _deinterleave(_read(ckpt, f"{name}.gate_up_proj_bias", (E, 2 * inter)).to(dtype), dim=1)
         w2_bias = _read(ckpt, f"{name}.down_proj_bias", (E, hidden)).to(dtype)
-        if self.config.quantization == mxfp4.QUANT_METHOD:
-            def read_expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-                gate_up = mxfp4.read_expert(ckpt, f"{name}.gate_up_proj", e, (2 * inter, hidden), dtype)  # [2I, H]
-                return _deinterleave(gate_up, dim=0), mxfp4.read_expert(ckpt, f"{name}.down_proj", e, (hidden, inter),
-                                                                        dtype)  # [2I, H], [H, I]
+        if self.config.quantization == mxfp4.QUANT_METHOD:  # kept MXFP4: the kernels run it natively
+            quantized = QuantizedCheckpoint(ckpt)
+            for proj, (rows, cols) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+                _check_shape(ckpt, f"{name}.{proj}_blocks", (E, rows, cols // mxfp4.BLOCK, 16))
+
+            def read_quantized(e: int) -> tuple[QuantizedWeight, QuantizedWeight]:
+                gate_up = quantized.expert(name, "gate_up_proj", e)  # [2I, H], gate and up rows interleaved
+                down = quantized.expert(name, "down_proj", e)  # [H, I]
+                if gate_up.shape != (2 * inter, hidden) or down.shape != (hidden, inter):
+                    raise CheckpointError(f"{name} expert {e}: MXFP4 gate_up_proj {list(gate_up.shape)} and down_proj "
+                                          f"{list(down.shape)}, expected {[2 * inter, hidden]} and {[hidden, inter]}")
+                return _deinterleave_rows(gate_up), down
+
+            first13, first2 = read_quantized(0)
+            return dict(w13=first13.meta_stack(E), w2=first2.meta_stack(E), expert_reader=read_quantized,
+                        w13_bias=w13_bias, w2_bias=w2_bias, dtype=dtype)
         else:
             _check_shape(ckpt, f"{name}.gate_up_proj", (E, hidden, 2 * inter))
             _check_shape(ckpt, f"{name}.down_proj", (E, inter, hidden))
@@ -194,6 +208,12 @@ class GptOssForCausalLM(MoeDecoderForCausalLM):
         return dict(w13=torch.empty(E, 2 * inter, hidden, dtype=dtype, device="meta"),
                     w2=torch.empty(E, hidden, inter, dtype=dtype, device="meta"),
                     expert_reader=read_expert, w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def _deinterleave_rows(w: QuantizedWeight) -> QuantizedWeight:
+    """A quantized [2I, K] with gate and up rows interleaved -> gate rows, then up rows (codes and scales alike)."""
+    return QuantizedWeight(w.format, _deinterleave(w.qweight, 0), _deinterleave(w.scales, 0),
+                           None if w.zeros is None else _deinterleave(w.zeros, 0), w.group_size)
 
 
 def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:

@@ -4,6 +4,10 @@ projections are weight streams like the experts, and the kernels read them near 
 (about 1.7x torch's bf16 linear at batch 1 here); at prefill sizes they run at the GEMM's rate.
 
 With backend="naive" (the baseline) the model keeps torch's nn.Linear.
+
+QuantizedLinear is the same for a projection a quantized checkpoint stores quantized: its codes and scales are
+packed for the fastest path that runs the format (cpumoe.experts' oracle, as for experts), or, when only the naive
+path can (backend="naive", or fp8/mxfp4 in a float32 model), dequantized to the model dtype, which the log says.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from torch import nn
 from cpumoe import ops
 from cpumoe.experts import ExpertsConfig, choose_path
 from cpumoe.logs import logger
+from cpumoe.quant import QuantizedWeight, dequantize
 
 # Routers keep `.weight` beside the packed copy: some models compute them in float32 from it (and they are tiny).
 ROUTER_NAMES = ("gate", "shared_expert_gate")
@@ -31,6 +36,43 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T (+ bias) with W a QuantizedWeight [N, K], run quantized (linear_quant) on the chosen path."""
+
+    def __init__(self, weight: QuantizedWeight, *, has_bias: bool, dtype: torch.dtype, backend: str = "auto"):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.format = weight.format
+        self.group_size = 0 if weight.group_size == self.in_features else weight.group_size  # 0: a whole row
+        config = ExpertsConfig(hidden_size=self.in_features, inter_size=self.out_features, num_experts=1, top_k=1,
+                               dtype=dtype, quantization=weight.format.value, group_size=self.group_size)
+        self.path = choose_path(config, backend).name
+        if self.path == "naive":
+            logger.info("a %s linear [%d, %d] is dequantized to %s: no native path runs it here", weight.format.value,
+                        self.out_features, self.in_features, dtype)
+            self.register_buffer("dense_weight", dequantize(weight).to(dtype), persistent=False)
+            self.packed_weight = None
+        else:
+            weight.validate()
+            packed = ops.pack_quant(weight.qweight[None].contiguous(), weight.scales[None].contiguous(),
+                                    None if weight.zeros is None else weight.zeros[None].contiguous(),
+                                    format=weight.format.value, group_size=self.group_size, w13=False)
+            self.register_buffer("packed_weight", packed, persistent=False)
+            self.dense_weight = None
+        self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype, device="meta"), requires_grad=False) \
+            if has_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        if self.packed_weight is None:
+            return torch.nn.functional.linear(x, self.dense_weight, self.bias)
+        return ops.linear_quant(x, self.packed_weight, self.bias, path=self.path, format=self.format.value,
+                                group_size=self.group_size, out_features=self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format.value}, "
+                f"path={self.path}")
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype, backend: str = "auto") -> int:

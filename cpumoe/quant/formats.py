@@ -83,6 +83,12 @@ class QuantizedWeight:
         return QuantizedWeight(self.format, self.qweight[index], self.scales[index],
                                None if self.zeros is None else self.zeros[index], self.group_size)
 
+    def meta_stack(self, experts: int) -> QuantizedWeight:
+        """A stack of `experts` weights of this one's shapes, on the meta device (shapes only, no data)."""
+        def meta(t):
+            return None if t is None else torch.empty((experts, *t.shape), dtype=t.dtype, device="meta")
+        return QuantizedWeight(self.format, meta(self.qweight), meta(self.scales), meta(self.zeros), self.group_size)
+
     def validate(self, name: str = "weight") -> None:
         """Raises ValueError naming the tensor whose dtype or shape does not fit the format."""
         f, q, s = self.format, self.qweight, self.scales

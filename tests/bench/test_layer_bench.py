@@ -1,17 +1,21 @@
-# The layer benchmark: its FLOP and byte counts against hand-computed numbers, its pieces (path selection, timing,
-# speed-ups), and one tiny end-to-end run through the CLI that must report every path this CPU can run.
+# The layer benchmark: its FLOP and byte counts against hand-computed numbers, its pieces (format parsing, path
+# selection, memory plan, timing, speed-ups, targets), and tiny end-to-end runs through the CLI that must report
+# every (format, path) this CPU can run, and any format no path could.
 import json
 
 import pytest
 import torch
 
 from cpumoe.bench.layer import (
-    LayerCase, LayerResult, add_speedups, experts_config, make_inputs, repetitions_for, select_paths,
+    MEMORY_SHARE, Case, LayerCase, LayerResult, WeightFormat, add_speedups, case_nbytes, quantized_nbytes,
+    weights_nbytes, compare_with_reference, experts_config, make_inputs,
+    parse_weight_format, plan_groups, reference_case, repetitions_for, select_cases, select_paths, target_for,
 )
 from cpumoe.bench.machine import OtherCpuUse
 from cpumoe.cli import main
 from cpumoe.experts import all_paths
 from cpumoe.presets import PRESETS, LayerPreset, get_preset
+from cpumoe.quant import QuantFormat
 
 TINY = LayerPreset("tiny", hidden=64, inter=32, experts=4, top_k=2, shared_experts=0, activation="silu",
                    scoring="softmax", renormalize=True)
@@ -62,13 +66,85 @@ def test_other_cpu_use():
     assert other.fraction is None or 0 <= other.fraction <= 1
 
 
+def _result(format, path, tokens, ms, expert_bytes=100):
+    return LayerResult(format=format, path=path, tokens=tokens, ms=ms, repetitions=3, distinct_experts=2,
+                       expert_bytes=expert_bytes, gflops=1.0, gbs=1.0, bandwidth_gbs=1.0, bandwidth_pct=1.0,
+                       mm_gflops=1.0, peak_pct=1.0)
+
+
 def test_speedups():
-    common = dict(repetitions=3, distinct_experts=2, gflops=1.0, gbs=1.0, bandwidth_gbs=1.0, bandwidth_pct=1.0,
-                  mm_gflops=1.0, peak_pct=1.0)
-    results = [LayerResult("fast", 4, 1.0, **common), LayerResult("naive", 4, 5.0, **common),
-               LayerResult("fast", 8, 1.0, **common)]
+    results = [_result("bfloat16", "fast", 4, 1.0), _result("bfloat16", "naive", 4, 5.0),
+               _result("bfloat16", "fast", 8, 1.0), _result("int8_w8a8", "fast", 4, 2.0),
+               _result("int8_w8a8", "naive", 4, 3.0), _result("int4_w4a16", "fast", 2048, 1.0)]
     add_speedups(results)
-    assert [r.speedup_vs_naive for r in results] == [5.0, 1.0, None]
+    assert [r.speedup_vs_naive for r in results] == [5.0, 1.0, None, 1.5, 1.0, None]   # naive of the same format
+    assert [r.target_vs_bf16 for r in results] == [None, None, None, 1.8, 1.8, 1.2]
+
+
+def test_targets():
+    assert target_for("int8_w8a8", 1) == target_for("int8_w8a8", 8) == 1.8
+    assert target_for("int4_w4a16", 8) == target_for("mxfp4_w4a16", 1) == 2.8 and target_for("fp8_w8a16", 1) == 1.6
+    assert target_for("int8_w8a8", 2048) == 1.6 and target_for("int4_w4a16", 2048) == 1.2
+    assert target_for("fp8_w8a16", 2048) == target_for("mxfp4_w4a16", 4096) == 0.9
+    assert target_for("int8_w8a8", 128) is None and target_for("bfloat16", 1) is None
+
+
+def test_compare_with_reference():
+    bf16, int4 = Case(WeightFormat(torch.bfloat16), "fast"), Case(parse_weight_format("int4"), "fast")
+    decode = {bf16: _result("bfloat16", "fast", 1, 3.0, expert_bytes=400),
+              int4: _result("int4_w4a16", "fast", 1, 1.5, expert_bytes=125)}
+    compare_with_reference(decode, bf16)
+    assert decode[int4].speedup_vs_bf16 == 2.0 and decode[int4].bytes_bound_vs_bf16 == 3.2
+    assert decode[bf16].speedup_vs_bf16 == 1.0
+    prefill = {bf16: _result("bfloat16", "fast", 2048, 3.0), int4: _result("int4_w4a16", "fast", 2048, 2.0)}
+    compare_with_reference(prefill, bf16)
+    assert prefill[int4].speedup_vs_bf16 == 1.5 and prefill[int4].bytes_bound_vs_bf16 is None   # decode only
+    alone = {int4: _result("int4_w4a16", "fast", 1, 1.0)}
+    compare_with_reference(alone, None)
+    assert alone[int4].speedup_vs_bf16 is None
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("bf16", WeightFormat(torch.bfloat16)), ("float32", WeightFormat(torch.float32)),
+    ("int8", WeightFormat(torch.bfloat16, QuantFormat.INT8_W8A8, 0)),           # per channel
+    ("int4_w4a16", WeightFormat(torch.bfloat16, QuantFormat.INT4_W4A16, 64)),
+    ("fp8", WeightFormat(torch.bfloat16, QuantFormat.FP8_W8A16, 64)),
+    ("mxfp4", WeightFormat(torch.bfloat16, QuantFormat.MXFP4_W4A16, 32)),     # always groups of 32
+])
+def test_parse_weight_format(name, expected):
+    assert parse_weight_format(name, group_size=64) == expected
+
+
+def test_parse_weight_format_unknown():
+    with pytest.raises(ValueError, match="unknown dtype 'int3'; choose from bf16, .*int8_w8a8"):
+        parse_weight_format("int3")
+
+
+def test_select_cases_and_reference():
+    formats = [parse_weight_format(n, 32) for n in ("int8", "bf16", "mxfp4")]
+    cases, unrun = select_cases(TINY, formats)
+    assert unrun == [] and [c.format.name for c in cases][-1] == "mxfp4_w4a16"
+    for fmt in formats:   # every format: its supported paths, fastest first, ending with naive
+        assert [c.path for c in cases if c.format == fmt] == select_paths(experts_config(TINY, fmt))
+    ref = reference_case(cases)
+    assert ref.format.name == "bfloat16" and ref.path == select_paths(experts_config(TINY, torch.bfloat16))[0]
+    assert reference_case([c for c in cases if c.format.quant is not None or c.path == "naive"]) is None
+    with pytest.raises(ValueError, match="int4 group size 128 must be a multiple of 32 dividing H=64 and I=32"):
+        select_cases(TINY, [parse_weight_format("int4", 128)])
+
+
+def test_plan_groups():
+    cases, _ = select_cases(TINY, [parse_weight_format(n, 32) for n in ("bf16", "int8", "int4")])
+    ref = reference_case(cases)
+    assert plan_groups(TINY, cases, ref, available=1 << 40) == [cases]
+    fixed = weights_nbytes(TINY, torch.bfloat16) + quantized_nbytes(TINY, parse_weight_format("int8"))
+    largest = max(sum(case_nbytes(TINY, c) for c in {*(c for c in cases if c.format == f), ref})
+                  for f in {c.format for c in cases})   # the biggest one-format group, with the reference
+    by_format = plan_groups(TINY, cases, ref, available=int((fixed + largest) / MEMORY_SHARE) + 1)
+    assert [{c.format.name for c in g if c != ref} for g in by_format] == [{"bfloat16"}, {"int8_w8a8"}, {"int4_w4a16"}]
+    assert all(ref in g for g in by_format)
+    one_by_one = plan_groups(TINY, cases, ref, available=0)
+    assert [g[0] for g in one_by_one] == cases and all(g == [c] or g == [c, ref] for c, g in zip(cases, one_by_one))
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -91,15 +167,17 @@ def test_tiny_bench_json(tmp_path, capsys):
     report = json.loads(out.read_text())
     expected = select_paths(experts_config(TINY, torch.bfloat16))
     results = report["results"]
-    assert [(r["path"], r["tokens"]) for r in results] == [(p, m) for m in (1, 3) for p in expected]
+    assert [(r["format"], r["path"], r["tokens"]) for r in results] == [("bfloat16", p, m) for m in (1, 3)
+                                                                       for p in expected]
     for r in results:
         assert r["ms"] > 0 and r["gflops"] > 0 and r["gbs"] > 0 and r["repetitions"] >= 1, r
         assert r["bandwidth_gbs"] > 0 and r["mm_gflops"] > 0, r
         assert r["speedup_vs_naive"] is not None and r["speedup_vs_naive"] > 0, r
         assert 1 <= r["distinct_experts"] <= min(4, 2 * r["tokens"]), r
     assert report["machine"]["bandwidth_gbs"] > 0 and report["machine"]["mm_gflops"] > 0
-    assert report["layer"]["hidden"] == 64 and report["layer"]["dtype"] == "bfloat16"
-    assert report["layer"]["oracle_choice"] == expected[0]
+    [fmt] = report["layer"]["formats"]
+    assert report["layer"]["hidden"] == 64 and fmt["format"] == "bfloat16" and fmt["paths"] == expected
+    assert fmt["oracle_choice"] == expected[0]
     assert report["other_cpu_fraction"] is None or 0 <= report["other_cpu_fraction"] <= 1
     printed = capsys.readouterr().out
     assert all(p in printed for p in expected) and "GFLOP/s" in printed
@@ -109,3 +187,75 @@ def test_bench_rejects_unsupported_path(capsys):
     with pytest.raises(SystemExit, match="unknown path 'nope'"):
         main(["bench", "layer", "--hidden", "64", "--inter", "32", "--experts", "4", "--topk", "2",
               "--tokens", "1", "--paths", "nope"])
+
+
+QUANT_ARGS = ["bench", "layer", "--hidden", "64", "--inter", "32", "--experts", "4", "--topk", "2", "--quick",
+              "--group-size", "32"]
+
+
+def test_tiny_bench_formats(tmp_path, capsys):
+    """Several formats side by side: a row per (format, path, M) with its packed bytes, the ratio to the bf16 fused
+    path and, for the quantized formats, the target (and the decode bound from bytes)."""
+    out = tmp_path / "layer.json"
+    assert main([*QUANT_ARGS, "--tokens", "1,3", "--dtype", "bf16,int8,int4_w4a16,fp8,mxfp4",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    names = ["bfloat16", "int8_w8a8", "int4_w4a16", "fp8_w8a16", "mxfp4_w4a16"]
+    formats = report["layer"]["formats"]
+    assert [f["format"] for f in formats] == names
+    ref = report["layer"]["reference"]
+    assert ref["format"] == "bfloat16" and ref["path"] != "naive"
+    rows = {(r["format"], r["path"], r["tokens"]): r for r in report["results"]}
+    for f in formats:
+        config = experts_config(TINY, parse_weight_format(f["format"], 32))
+        assert f["paths"] == select_paths(config) and "naive" in f["paths"], f
+        assert f["oracle_choice"] == f["paths"][0]
+        for path in f["paths"]:
+            for m in (1, 3):
+                r = rows.pop((f["format"], path, m))
+                assert r["ms"] > 0 and r["gbs"] > 0 and r["expert_bytes"] > 0 and r["repetitions"] >= 1, r
+                assert r["speedup_vs_bf16"] > 0 and r["bytes_bound_vs_bf16"] > 0, r   # M <= 8: decode
+                assert r["speedup_vs_naive"] > 0, r
+                quantized = f["format"] != "bfloat16"
+                assert (r["target_vs_bf16"] is not None) == quantized, r
+                if quantized and path != "naive":   # packed blocks: fewer bytes than bf16
+                    assert r["expert_bytes"] < 3 * 64 * 32 * 2 and r["bytes_bound_vs_bf16"] > 1, r
+    assert not rows, f"unexpected rows {list(rows)}"
+    assert report["layer"]["unrun"] == []
+    tokens = [r["tokens"] for r in report["results"]]
+    assert tokens == sorted(tokens), "rows are grouped by M"
+    printed = capsys.readouterr().out
+    assert all(n in printed for n in ("int8_w8a8", "int4_w4a16", "fp8_w8a16", "mxfp4_w4a16", "vs bf16 (target)"))
+
+
+def _path_without(fmt: str) -> str | None:
+    """A path that runs the tiny layer in bf16 but not in `fmt` on this machine (None: every such path runs it)."""
+    bf16, quant = experts_config(TINY, torch.bfloat16), experts_config(TINY, parse_weight_format(fmt, 32))
+    return next((p.name for p in all_paths() if p.is_supported(bf16)[0] and not p.is_supported(quant)[0]), None)
+
+
+def test_format_no_path_runs_is_reported(tmp_path, capsys):
+    fmt = next((f for f in ("int8", "int4", "fp8", "mxfp4") if _path_without(f)), None)
+    if fmt is None:
+        pytest.skip("every path that runs bf16 here runs every quantized format")
+    path = _path_without(fmt)
+    out = tmp_path / "layer.json"
+    assert main([*QUANT_ARGS, "--tokens", "1", "--dtype", f"bf16,{fmt}", "--paths", path, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    name = parse_weight_format(fmt).name
+    [unrun] = report["layer"]["unrun"]
+    assert unrun["format"] == name and list(unrun["reasons"]) == [path] and unrun["reasons"][path]
+    assert {(r["format"], r["path"]) for r in report["results"]} == {("bfloat16", path)}
+    assert f"{name}: no path could run it" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=f"no path can run any of these formats:\n  {name}: {path}: "):
+        main([*QUANT_ARGS, "--tokens", "1", "--dtype", fmt, "--paths", path])
+
+
+def test_quantized_without_bf16_has_no_ratio(tmp_path, capsys):
+    out = tmp_path / "layer.json"
+    assert main([*QUANT_ARGS, "--tokens", "1", "--dtype", "int8", "--paths", "naive", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    [row] = report["results"]
+    assert row["format"] == "int8_w8a8" and row["speedup_vs_bf16"] is None and row["target_vs_bf16"] == 1.8
+    assert report["layer"]["reference"] is None
+    assert "add bf16 to --dtype" in capsys.readouterr().out

@@ -51,3 +51,33 @@ def test_bench_model_json(tmp_path, capsys):
 def test_bench_model_missing_checkpoint(tmp_path):
     with pytest.raises(SystemExit, match="cpumoe bench model: error"):
         main(["bench", "model", str(tmp_path / "nope"), "--batch", "1", "--input-len", "4", "--output-len", "2"])
+
+
+def test_bench_model_quantized_checkpoints_side_by_side(tmp_path, capsys):
+    """Checkpoints quantized by `cpumoe quantize`, beside their bf16 source in one run: each reports its format and
+    the quantized bytes its steps stream, and the comparison rows give speed-ups against the first with the bound."""
+    from cpumoe.loader.quantized.convert import quantize_checkpoint
+    src = make_checkpoint("qwen3-30b-a3b", tmp_path / "bf16", layers=2, vocab=400, dtype=torch.bfloat16,
+                          overrides=tiny_overrides("qwen3-30b-a3b"))
+    int4 = quantize_checkpoint(src, tmp_path / "int4", "int4", group_size=32).path
+    fp8 = quantize_checkpoint(src, tmp_path / "fp8", "fp8").path
+    out = tmp_path / "formats.json"
+    assert main(["bench", "model", str(src), str(int4), str(fp8), "--batch", "1,2", "--input-len", "9",
+                 "--output-len", "3", "--quick", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [m["weights_format"] for m in report["models"]] == ["bf16", "int4_w4a16", "fp8_w8a16"]
+    bf16, q4 = report["models"][0]["weights"], report["models"][1]["weights"]
+    assert bf16["expert_elems"] == q4["expert_elems"] and bf16["dense_elems"] == q4["dense_elems"]
+    # 4-bit codes plus a float32 scale and zero per 32 weights: 0.5 + 8/32 = 0.75 bytes a weight, against 2
+    assert q4["expert"] == pytest.approx(bf16["expert"] * 0.75 / 2, rel=0.01) and q4["dense"] < bf16["dense"]
+    assert [(r["batch"], r["weights_format"]) for r in report["results"]] == [
+        (1, "bf16"), (1, "int4_w4a16"), (1, "fp8_w8a16"), (2, "bf16"), (2, "int4_w4a16"), (2, "fp8_w8a16")]
+    rows = report["comparison"]
+    assert [(c["batch"], c["weights_format"]) for c in rows] == [(1, "int4_w4a16"), (1, "fp8_w8a16"),
+                                                                 (2, "int4_w4a16"), (2, "fp8_w8a16")]
+    for c in rows:
+        assert c["decode_speedup"] > 0 and c["prefill_speedup"] > 0 and c["decode_bound"] > 1, c
+    assert "against bf16" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--compare naive takes one checkpoint"):
+        main(["bench", "model", str(src), str(int4), "--compare", "naive", "--batch", "1", "--input-len", "4",
+              "--output-len", "2"])

@@ -238,11 +238,29 @@ def test_missing_correction_bias_is_named(tmp_path):
 @pytest.mark.parametrize("edit, match", [
     (dict(topk_method="greedy"), "topk_method 'greedy'"),
     (dict(scoring_func="softmax"), "scoring_func 'softmax'"),
-    (dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}),
-     "quant_method 'fp8'"),
-], ids=["greedy", "softmax", "fp8"])
+    (dict(quantization_config={"quant_method": "gguf"}), "quant_method 'gguf' is not supported"),
+], ids=["greedy", "softmax", "gguf"])
 def test_unsupported_configs_are_refused(edit, match, tmp_path):
     save(tiny_model(**VARIANTS["e8-top2-no-renorm-q-proj"]), tmp_path)
     edit_config(tmp_path, **edit)
     with pytest.raises(CheckpointError, match=match):
         load_model(tmp_path)
+
+
+def test_block_fp8_checkpoint_matches_its_dequantized_twin(tmp_path):
+    """DeepSeek-V3's published format (block FP8, weight_scale_inv): linears and experts run in FP8; kv_b_proj,
+    which MLA absorbs into the query and output as a tensor, is dequantized at load."""
+    from cpumoe.loader.quantized.convert import quantize_checkpoint
+    from cpumoe.models.packed_linear import QuantizedLinear
+    from tests.models.test_quantized_models import dequantized_twin
+    save(tiny_model(dtype=torch.bfloat16, **VARIANTS["e8-top2-no-renorm-q-proj"]), tmp_path / "bf16")
+    fp8 = quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8", "fp8", group_size=32).path
+    ours = load_model(fp8, dtype=torch.bfloat16)
+    assert any(isinstance(m, QuantizedLinear) for m in ours.modules())
+    assert all(m.experts.quantization == "fp8_w8a16" for m in ours.modules() if isinstance(m, DeepseekV3MoE))
+    twin = load_model(dequantized_twin(tmp_path / "bf16", fp8, tmp_path / "twin"), dtype=torch.bfloat16)
+    prompt = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+    out, ref = ours(prompt).float(), twin(prompt).float()
+    # bf16 rounding only (same weights); measured 0.015: this model's bf16 runs drift more than Qwen3's (the bf16
+    # tolerance against transformers above is 5e-2)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 0.03

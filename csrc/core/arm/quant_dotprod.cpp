@@ -1,8 +1,190 @@
-// Quantized tiles of this ISA (see ../quant.h). Not written yet: no format has tiles here.
-#include "../quant.h"
+// Arm dot product (Armv8.2 SDOT, vdotq_laneq_s32): int8_w8a8 and int4_w4a16 tiles (block layouts in
+// ../quant.h). SDOT by lane adds to each int32 lane i the dot of bytes 4i..4i+3 of the first operand with
+// one 4-byte lane of the second: with 4 columns x 4 k as the first operand and an activation k-quad as
+// the lane, one instruction adds 4 columns' k-quad dots (16 multiply-adds).
+//
+// Weight operands: int8's [Kp/4][64][4] gives 4 columns x 4 k in one 16-byte load at k-quad q, used as
+// is; int4's quarter u of a k-octet (columns 4u..4u+3) gives k 0..3 in its low nibbles (AND 0xF) and k
+// 4..7 in its high ones (USHR 4). Activations are signed int8 (QuantKernel::unsigned_activations =
+// false): one 16-byte load per row feeds four k-quads through SDOT's lane index.
+//
+// Tiling, as kernels_neon.cpp: R rows x C columns of int32x4 accumulators for the whole k (int8), C = 64,
+// 32, 16, 16 for R = 1..4, or per group (int4, which also keeps as many float32x4 sums: per group the
+// integer dot becomes scale * (acc - zero * sum_a), one convert, FMLS and FMLA per accumulator), C = 32,
+// 16, 8, 8; at most 16 q registers hold accumulators. The block's 64 columns take 64/C passes over k. Per
+// 16 k and 4 columns a pass makes 4 weight loads (int8) or 2 loads, 2 AND, 2 USHR (int4), and 4R SDOTs;
+// one 16-byte activation load per row.
+#include "quant_arm.h"
 
 namespace cpumoe {
+namespace {
 
-const QuantKernel* quant_arm_dotprod(QuantFormat) { return nullptr; }
+constexpr int kMaxRows = 4;
+
+// Columns per pass for R rows.
+constexpr int int8_pass_cols(int R) { return R == 1 ? 64 : (R == 2 ? 32 : 16); }
+constexpr int int4_pass_cols(int R) { return R == 1 ? 32 : (R == 2 ? 16 : 8); }
+
+template <int R>
+inline void load_rows(const A8Row (&rows)[R], int64_t k, int8x16_t (&x)[R]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) x[r] = vld1q_s8(rows[r].q + k);
+}
+
+// acc[r][u] += w(columns 4u.., one k-quad) . x[r] lane L (the same k-quad of row r), for C / 4 column quads.
+template <int L, int R, int U>
+inline void sdot_quads(const int8x16_t (&w)[U], const int8x16_t (&x)[R], int32x4_t (&acc)[R][U]) {
+#pragma GCC unroll 16
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r][u] = vdotq_laneq_s32(acc[r][u], w[u], x[r], L);
+}
+
+// int8: k-quad q of columns col0 .. col0 + 4U - 1 into acc, with activation lane L.
+template <int L, int R, int U>
+inline void int8_quad(const int8_t* b, int64_t q, const int8x16_t (&x)[R], int32x4_t (&acc)[R][U]) {
+  int8x16_t w[U];
+#pragma GCC unroll 16
+  for (int u = 0; u < U; ++u) w[u] = vld1q_s8(b + 256 * q + 16 * u);
+  sdot_quads<L, R, U>(w, x, acc);
+}
+
+// int4: k-octet s (lanes L, L + 1 of x) of the columns into acc.
+template <int L, int R, int U>
+inline void int4_octet(const uint8_t* b, int64_t s, const int8x16_t (&x)[R], int32x4_t (&acc)[R][U]) {
+  int8x16_t lo[U], hi[U];
+#pragma GCC unroll 8
+  for (int u = 0; u < U; ++u) {
+    const uint8x16_t v = vld1q_u8(b + 256 * s + 16 * u);
+    lo[u] = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0xF)));  // codes 0..15: valid int8
+    hi[u] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+  }
+  sdot_quads<L, R, U>(lo, x, acc);
+  sdot_quads<L + 1, R, U>(hi, x, acc);
+}
+
+// int8: tile[r][col0 : col0 + C] = a_r . w (integer dot, as float32).
+template <int R, int C>
+inline void int8_pass(const GemmTile& t, const A8Row (&rows)[R], int col0, float (&tile)[R][kBlockCols]) {
+  constexpr int U = C / 4;
+  const int8_t* b = static_cast<const int8_t*>(t.b) + 4 * col0;
+  int32x4_t acc[R][U];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u) acc[r][u] = vdupq_n_s32(0);
+  for (int64_t k = 0; k < t.k; k += 16) {
+    int8x16_t x[R];
+    load_rows<R>(rows, k, x);
+    const int64_t q = k / 4;
+    int8_quad<0, R, U>(b, q, x, acc);
+    int8_quad<1, R, U>(b, q + 1, x, acc);
+    int8_quad<2, R, U>(b, q + 2, x, acc);
+    int8_quad<3, R, U>(b, q + 3, x, acc);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u) vst1q_f32(&tile[r][col0 + 4 * u], vcvtq_f32_s32(acc[r][u]));
+}
+
+// int4: tile[r][col0 : col0 + C] = sum_G scale[G] * (a_r . q over G - zero[G] * sum of a_r over G).
+template <int R, int C>
+inline void int4_pass(const GemmTile& t, const A8Row (&rows)[R], int col0, float (&tile)[R][kBlockCols]) {
+  constexpr int U = C / 4;
+  const uint8_t* b = static_cast<const uint8_t*>(t.b) + 4 * col0;
+  float32x4_t facc[R][U];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) facc[r][u] = vdupq_n_f32(0.0f);
+  for (int64_t grp = 0; grp < t.k / t.group; ++grp) {
+    const int64_t k0 = grp * t.group;
+    int32x4_t acc[R][U];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) acc[r][u] = vdupq_n_s32(0);
+    for (int64_t k = k0; k < k0 + t.group; k += 16) {  // g is a multiple of 32
+      int8x16_t x[R];
+      load_rows<R>(rows, k, x);
+      int4_octet<0, R, U>(b, k / 8, x, acc);
+      int4_octet<2, R, U>(b, k / 8 + 1, x, acc);
+    }
+    const float* scale = int4_group_meta(t, grp) + col0;
+    const float* zero = scale + kBlockCols;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float sum_a = a8_group_sum(rows[r], k0, t.group);
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u)
+        facc[r][u] = vfmaq_f32(facc[r][u], vfmsq_n_f32(vcvtq_f32_s32(acc[r][u]), vld1q_f32(zero + 4 * u), sum_a),
+                               vld1q_f32(scale + 4 * u));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) vst1q_f32(&tile[r][col0 + 4 * u], facc[r][u]);
+}
+
+template <QuantFormat F, int R>
+inline void accumulate(const GemmTile& t, const A8Row (&rows)[R], float (&tile)[R][kBlockCols]) {
+  if constexpr (F == QuantFormat::kInt8W8A8) {
+    constexpr int C = int8_pass_cols(R);
+    for (int col0 = 0; col0 < kBlockCols; col0 += C) int8_pass<R, C>(t, rows, col0, tile);
+  } else {
+    constexpr int C = int4_pass_cols(R);
+    for (int col0 = 0; col0 < kBlockCols; col0 += C) int4_pass<R, C>(t, rows, col0, tile);
+  }
+}
+
+// int8's per-column weight scale is applied after the dot; int4's is already in the group sums.
+template <QuantFormat F>
+inline const float* col_scale(const GemmTile& t) {
+  return F == QuantFormat::kInt8W8A8 ? int8_col_scales(t) : nullptr;
+}
+
+template <QuantFormat F, int R>
+void w13_rows(const GemmTile& t) {
+  A8Row rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = a8_row(t.a_rows[r], t.k);
+  float tile[R][kBlockCols];
+  accumulate<F, R>(t, rows, tile);
+  a8_w13_finish<R>(t, rows, col_scale<F>(t), tile);
+}
+
+template <QuantFormat F, int R>
+void w2_rows(const GemmTile& t) {
+  A8Row rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = a8_row(t.a_rows[r], t.k);
+  float tile[R][kBlockCols];
+  accumulate<F, R>(t, rows, tile);
+  a8_w2_finish<R>(t, rows, col_scale<F>(t), tile);
+}
+
+template <QuantFormat F>
+struct Tiles {
+  static constexpr TileFn w13[kMaxRows + 1] = {nullptr, w13_rows<F, 1>, w13_rows<F, 2>, w13_rows<F, 3>,
+                                               w13_rows<F, 4>};
+  static constexpr TileFn w2[kMaxRows + 1] = {nullptr, w2_rows<F, 1>, w2_rows<F, 2>, w2_rows<F, 3>,
+                                              w2_rows<F, 4>};
+  static void w13_tile(const GemmTile& t) { run_row_tiles(t, w13, kMaxRows, 4); }  // float32 out
+  static void w2_tile(const GemmTile& t) { run_row_tiles(t, w2, kMaxRows, 4); }
+};
+
+}  // namespace
+
+const QuantKernel* quant_arm_dotprod(QuantFormat f) {
+  static const QuantKernel int8{kMaxRows, false, Tiles<QuantFormat::kInt8W8A8>::w13_tile,
+                                Tiles<QuantFormat::kInt8W8A8>::w2_tile};
+  static const QuantKernel int4{kMaxRows, false, Tiles<QuantFormat::kInt4W4A16>::w13_tile,
+                                Tiles<QuantFormat::kInt4W4A16>::w2_tile};
+  switch (f) {
+    case QuantFormat::kInt8W8A8: return &int8;
+    case QuantFormat::kInt4W4A16: return &int4;
+    default: return nullptr;  // fp8 / mxfp4: bf16 formats, no tiles here
+  }
+}
 
 }  // namespace cpumoe

@@ -1,7 +1,8 @@
 // Runs cpumoe::fused_moe without PyTorch, so the Arm kernel paths can be tested under qemu-aarch64
 // (tests/kernels/arm/test_arm_qemu.py builds it statically with the cross compiler).
 //
-//   driver                prints the CPU features and every kernel path with whether it can run here
+//   driver                prints the CPU features, every kernel path with whether it can run here, and the
+//                         tiles (dense, quantized formats) of each that can
 //   driver CASE_DIR...    the same, then runs each case: reads CASE_DIR/meta.txt and the arrays beside it,
 //                         packs the weights for the case's kernel path, writes CASE_DIR/out.bin
 //
@@ -13,6 +14,12 @@
 //   topk_weights.bin [M][topk] f32, topk_ids.bin [M][topk] i32, expert_map.bin [global_experts] i32,
 //   w13_bias.bin [E][2I] f32, w2_bias.bin [E][H] f32 (unpacked: reordered here as cpumoe/ops.py does)
 //   -> out.bin [M][H] dtype
+// Quantized cases add quant (int8_w8a8, int4_w4a16, ...: a format name) and group13, group2 (int4 group of
+// w13 and w2; 0 = a whole row), and replace w13.bin / w2.bin with the canonical cpumoe.quant.QuantizedWeight
+// tensors, packed here with quant_pack (as cpumoe/ops.py pack_quant does) and run on the path's tiles:
+//   w13_codes.bin [E][2I][H] and w2_codes.bin [E][H][I] (one byte per code), w13_scales.bin, w2_scales.bin
+//   (f32 [E][N], int8, or [E][N][K/g]), and for asymmetric int4 (flag zeros) w13_zeros.bin, w2_zeros.bin
+//   (u8, the scales' shape).
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -26,6 +33,7 @@
 #include "core/cpu_features.h"
 #include "core/fused_moe.h"
 #include "core/pack.h"
+#include "core/quant_pack.h"
 
 namespace {
 
@@ -57,6 +65,7 @@ class Meta {
     return it->second;
   }
   int64_t num(const std::string& key) const { return std::stoll(str(key)); }
+  bool has(const std::string& key) const { return values_.count(key) != 0; }
   bool flag(const std::string& key) const { return num(key) != 0; }
 
  private:
@@ -109,41 +118,93 @@ std::vector<float> pack_w2_bias(const float* bias, int64_t E, int64_t H) {
   return out;
 }
 
+QuantFormat parse_format(const std::string& s) {
+  for (int f = 0; f < kNumQuantFormats; ++f)
+    if (s == quant_format_name(QuantFormat(f))) return QuantFormat(f);
+  throw std::runtime_error("unknown quantized format '" + s + "'");
+}
+
+// One canonical quantized stack [E][N][K] read from PREFIX_{codes,scales,zeros}.bin and packed into quant.h
+// blocks; returns the packed shape (its group is the tiles').
+QuantPackedShape read_and_pack_quant(const std::string& dir, const char* prefix, QuantFormat f, int64_t E,
+                                     int64_t N, int64_t K, int64_t group, bool zeros, bool w13,
+                                     std::vector<uint8_t>& packed) {
+  auto path = [&](const char* name) { return dir + "/" + prefix + "_" + name + ".bin"; };
+  int64_t cols = 1, scale_bytes = 4;
+  if (f == QuantFormat::kInt4W4A16) cols = group == 0 ? 1 : K / group;
+  else if (f == QuantFormat::kFp8W8A16) cols = group == 0 ? 1 : (K + group - 1) / group;
+  else if (f == QuantFormat::kMxfp4W4A16) cols = K / kMxfp4Group, scale_bytes = 1;
+  const std::vector<char> codes = read_array(path("codes"), E * N * K);
+  const std::vector<char> scales = read_array(path("scales"), E * N * cols * scale_bytes);
+  std::vector<char> zero_points;
+  if (zeros) zero_points = read_array(path("zeros"), E * N * cols);
+  QuantSource src;
+  src.format = f;
+  src.codes = reinterpret_cast<const uint8_t*>(codes.data());
+  src.scales = scales.data();
+  src.zeros = zeros ? reinterpret_cast<const uint8_t*>(zero_points.data()) : nullptr;
+  src.N = N, src.K = K, src.group = group;
+  const QuantPackedShape shape = quant_packed_shape(f, N, K, group, w13);
+  packed.assign(E * shape.blocks * shape.block_bytes, 0);
+  pack_quant(src, w13, packed.data(), 0, E);
+  return shape;
+}
+
 void run_case(const std::string& dir, const Parallel& parallel) {
   const Meta meta(dir + "/meta.txt");
-  std::string why;
-  const KernelTable* kt = find_kernel(meta.str("kernel"), &why);
-  if (!kt) throw std::runtime_error("kernel path '" + meta.str("kernel") + "' cannot run here: " + why);
   const DType dtype = parse_dtype(meta.str("dtype"));
-  if (!kt->supports(dtype)) throw std::runtime_error(std::string(kt->name) + " does not take " + dtype_name(dtype));
   const int64_t M = meta.num("M"), H = meta.num("H"), I = meta.num("I"), E = meta.num("E"), K = meta.num("topk");
   const int64_t G = meta.num("global_experts"), es = dtype_size(dtype);
   auto path = [&](const char* name) { return dir + "/" + name; };
 
   const std::vector<char> hidden = read_array(path("hidden.bin"), M * H * es);
-  const std::vector<char> w13 = read_array(path("w13.bin"), E * 2 * I * H * es);
-  const std::vector<char> w2 = read_array(path("w2.bin"), E * H * I * es);
   const std::vector<char> topk_weights = read_array(path("topk_weights.bin"), M * K * 4);
   const std::vector<char> topk_ids = read_array(path("topk_ids.bin"), M * K * 4);
 
-  const PackedShape s13 = w13_packed_shape(H, I, kt->layout), s2 = w2_packed_shape(H, I, kt->layout);
-  std::vector<char> w13_packed(E * s13.expert_elems() * es), w2_packed(E * s2.expert_elems() * es);
-  pack_w13(w13.data(), w13_packed.data(), H, I, dtype, kt->layout, 0, E);
-  pack_w2(w2.data(), w2_packed.data(), H, I, dtype, kt->layout, 0, E);
-
   FusedMoeArgs a;
-  a.kernels = kt;
+  std::string why;
+  std::vector<char> w13_packed, w2_packed;
+  std::vector<uint8_t> w13_quant, w2_quant;
+  if (meta.has("quant")) {
+    const QuantFormat f = parse_format(meta.str("quant"));
+    a.quant = find_quant_kernel(meta.str("kernel"), f, &why);
+    if (!a.quant)
+      throw std::runtime_error("kernel path '" + meta.str("kernel") + "' cannot run " + quant_format_name(f) + ": " + why);
+    a.format = f;
+    const bool zeros = meta.flag("zeros");
+    const QuantPackedShape s13 =
+        read_and_pack_quant(dir, "w13", f, E, 2 * I, H, meta.num("group13"), zeros, true, w13_quant);
+    const QuantPackedShape s2 = read_and_pack_quant(dir, "w2", f, E, H, I, meta.num("group2"), zeros, false, w2_quant);
+    a.group13 = s13.group;
+    a.group2 = s2.group;
+    a.I = s13.blocks * kW13BlockInter;  // the packed intermediate size
+    a.w13 = w13_quant.data();
+    a.w2 = w2_quant.data();
+  } else {
+    const KernelTable* kt = find_kernel(meta.str("kernel"), &why);
+    if (!kt) throw std::runtime_error("kernel path '" + meta.str("kernel") + "' cannot run here: " + why);
+    if (!kt->supports(dtype)) throw std::runtime_error(std::string(kt->name) + " does not take " + dtype_name(dtype));
+    const std::vector<char> w13 = read_array(path("w13.bin"), E * 2 * I * H * es);
+    const std::vector<char> w2 = read_array(path("w2.bin"), E * H * I * es);
+    const PackedShape s13 = w13_packed_shape(H, I, kt->layout), s2 = w2_packed_shape(H, I, kt->layout);
+    w13_packed.resize(E * s13.expert_elems() * es);
+    w2_packed.resize(E * s2.expert_elems() * es);
+    pack_w13(w13.data(), w13_packed.data(), H, I, dtype, kt->layout, 0, E);
+    pack_w2(w2.data(), w2_packed.data(), H, I, dtype, kt->layout, 0, E);
+    a.kernels = kt;
+    a.I = I;
+    a.w13 = w13_packed.data();
+    a.w2 = w2_packed.data();
+  }
   a.dtype = dtype;
   a.act = parse_activation(meta.str("activation"));
-  a.M = M, a.H = H, a.I = I, a.topk = K;
+  a.M = M, a.H = H, a.topk = K;
   a.local_experts = E;
   a.global_experts = G;
   a.hidden = hidden.data();
   a.topk_weights = reinterpret_cast<const float*>(topk_weights.data());
   a.topk_ids = reinterpret_cast<const int32_t*>(topk_ids.data());
   a.apply_router_weight_on_input = meta.flag("router_weight_on_input");
-  a.w13 = w13_packed.data();
-  a.w2 = w2_packed.data();
 
   std::vector<char> expert_map, w13_bias, w2_bias;
   std::vector<float> w13_bias_packed, w2_bias_packed;
@@ -176,8 +237,14 @@ int main(int argc, char** argv) {
   std::printf("features:");
   for (const std::string& f : cpumoe::cpu_features()) std::printf(" %s", f.c_str());
   std::printf("\n");
-  for (const cpumoe::KernelInfo& k : cpumoe::kernel_paths())
+  for (const cpumoe::KernelInfo& k : cpumoe::kernel_paths()) {
     std::printf("path %s: %s\n", k.name.c_str(), k.unavailable.empty() ? "available" : ("unavailable, " + k.unavailable).c_str());
+    if (!k.unavailable.empty()) continue;
+    std::printf("tiles %s:%s", k.name.c_str(), k.table ? " dense" : "");
+    for (int f = 0; f < cpumoe::kNumQuantFormats; ++f)
+      if (k.quant[f]) std::printf(" %s", cpumoe::quant_format_name(cpumoe::QuantFormat(f)));
+    std::printf("\n");
+  }
 
   const cpumoe::Parallel parallel = two_threads();
   for (int i = 1; i < argc; ++i) {

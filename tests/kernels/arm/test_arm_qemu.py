@@ -47,8 +47,9 @@ def _run(cmd: list[str], what: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def driver(tmp_path_factory) -> Path:
-    """driver.cpp + the core + its Arm units, cross-compiled into one static aarch64 binary."""
+def binaries(tmp_path_factory) -> dict[str, Path]:
+    """The core + its Arm units, cross-compiled once and linked into two static aarch64 binaries: driver.cpp
+    (whole fused layers) and quant_tiles.cpp (the quantized tiles alone)."""
     missing = [tool for tool in (CXX, QEMU) if shutil.which(tool) is None]
     if missing:
         reason = f"{' and '.join(missing)} not installed (Debian packages g++-aarch64-linux-gnu, qemu-user-static)"
@@ -56,21 +57,28 @@ def driver(tmp_path_factory) -> Path:
             pytest.fail(reason)
         pytest.skip(reason)
     build = tmp_path_factory.mktemp("arm-build")
-    flags = list(CXXFLAGS)
     isa_flags = _isa_flags()
-    sources = sorted([*(ROOT / "csrc/core").glob("*.cpp"), *(ROOT / "csrc/core/arm").glob("*.cpp"),
-                      Path(__file__).with_name("driver.cpp")])
+    core = sorted([*(ROOT / "csrc/core").glob("*.cpp"), *(ROOT / "csrc/core/arm").glob("*.cpp")])
+    mains = [Path(__file__).with_name("driver.cpp"), Path(__file__).with_name("quant_tiles.cpp")]
 
     def compile_one(src: Path) -> Path:
         obj = build / f"{src.stem}.o"
-        _run([CXX, *flags, *isa_flags.get(src.name, []), "-c", str(src), "-o", str(obj)], f"compiling {src.name}")
+        _run([CXX, *CXXFLAGS, *isa_flags.get(src.name, []), "-c", str(src), "-o", str(obj)], f"compiling {src.name}")
         return obj
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        objects = list(pool.map(compile_one, sources))
-    binary = build / "driver"
-    _run([CXX, "-static", "-pthread", *map(str, objects), "-o", str(binary)], "linking the driver")
-    return binary
+        objects = list(pool.map(compile_one, core + mains))
+    binaries = {}
+    for main, obj in zip(mains, objects[len(core):]):
+        binaries[main.stem] = build / main.stem
+        _run([CXX, "-static", "-pthread", *map(str, objects[:len(core)]), str(obj), "-o", str(binaries[main.stem])],
+             f"linking {main.stem}")
+    return binaries
+
+
+@pytest.fixture(scope="module")
+def driver(binaries) -> Path:
+    return binaries["driver"]
 
 
 def _paths(driver: Path, cpu: str) -> dict[str, str]:
@@ -79,16 +87,42 @@ def _paths(driver: Path, cpu: str) -> dict[str, str]:
     return dict(re.findall(r"^path (\S+): (.*)$", out, flags=re.M))
 
 
-def test_both_paths_available_on_cpu_max(driver):
+def _tiles(driver: Path, cpu: str) -> dict[str, list[str]]:
+    """{path name: its tiles ("dense" and quantized format names)} for the paths that can run on `cpu`."""
+    out = _run([QEMU, "-cpu", cpu, str(driver)], f"driver on -cpu {cpu}")
+    return {name: tiles.split() for name, tiles in re.findall(r"^tiles (\S+):(.*)$", out, flags=re.M)}
+
+
+def test_paths_available_on_cpu_max(driver):
     paths = _paths(driver, "max")
-    assert paths["arm-bfmmla"] == "available", paths
-    assert paths["arm-neon"] == "available", paths
+    for name in ("arm-bfmmla", "arm-i8mm", "arm-dotprod", "arm-neon"):
+        assert paths[name] == "available", paths
+    tiles = _tiles(driver, "max")
+    assert tiles["arm-i8mm"] == tiles["arm-dotprod"] == ["int8_w8a8", "int4_w4a16"], tiles
 
 
 def test_bfmmla_unavailable_without_bf16(driver):
     paths = _paths(driver, "cortex-a57")  # Armv8.0: NEON only
     assert "CPU lacks bf16" in paths["arm-bfmmla"], paths
+    assert "CPU lacks i8mm" in paths["arm-i8mm"], paths
+    assert "CPU lacks asimddp" in paths["arm-dotprod"], paths
     assert paths["arm-neon"] == "available", paths
+
+
+def test_i8mm_unavailable_on_dotprod_cpu(driver):
+    paths = _paths(driver, "cortex-a76")  # Armv8.2 + dotprod, no i8mm or bf16
+    assert "CPU lacks i8mm" in paths["arm-i8mm"], paths
+    assert paths["arm-dotprod"] == "available", paths
+
+
+@pytest.mark.parametrize("cpu", ["max", "cortex-a76"])
+def test_quant_tiles_match_scalar_reference(binaries, cpu):
+    """Every Arm A8 tile (row counts 1..9, int4 groups, activations, bias, row_scale, w2 edge) against a scalar
+    float64 reading of quant.h, within 1e-5 of each tile's largest |reference|; cortex-a76 runs arm-dotprod
+    alone (it lacks i8mm)."""
+    out = _run([QEMU, "-cpu", cpu, str(binaries["quant_tiles"]), "1e-5"], f"quant_tiles on -cpu {cpu}")
+    assert out.rstrip().endswith("ok"), out
+    assert ("arm-i8mm: skipped" in out) == (cpu != "max"), out
 
 
 @dataclass(frozen=True)
@@ -96,7 +130,9 @@ class Case:
     shape: MoECase
     activation: str = "silu"
     bias: bool = False
-    routing: str = "topk"  # or "expert_map" (shard holds SHARD), "one_expert", "weight_on_input" (k == 1)
+    # or "expert_map" (shard holds SHARD), "one_expert", "skewed" (3 of 4 tokens pick expert 0 first),
+    # "weight_on_input" (k == 1)
+    routing: str = "topk"
 
     def __str__(self) -> str:
         return "-".join([self.shape.id, self.activation, *(["bias"] if self.bias else []),
@@ -123,6 +159,9 @@ def _problem(case: Case, dtype: torch.dtype) -> tuple[MoEProblem, torch.Tensor |
     s = case.shape
     if case.routing == "one_expert":
         return make_problem(s, dtype, bias=case.bias, topk_ids=torch.full((s.M, s.k), s.E - 1)), None
+    if case.routing == "skewed":  # token t: experts base, base + 1, ... (mod E), base = 0 for 3 of 4 tokens
+        base = torch.where(torch.arange(s.M) % 4 == 0, torch.arange(s.M) % s.E, 0)
+        return make_problem(s, dtype, bias=case.bias, topk_ids=(base[:, None] + torch.arange(s.k)) % s.E), None
     p = make_problem(s, dtype, bias=case.bias)
     if case.routing != "expert_map":
         return p, None
@@ -164,3 +203,82 @@ def test_fused_moe_matches_reference(driver, tmp_path, kernel, dtype, case):
                                   w13_bias=p.w13_bias, w2_bias=p.w2_bias, expert_map=expert_map,
                                   apply_router_weight_on_input=case.routing == "weight_on_input")
     assert_moe_close(out, ref, dtype, f"{kernel} {DTYPE_NAMES[dtype]} {case}")
+
+
+# ---- quantized weights: canonical cpumoe.quant tensors packed by the driver (quant_pack.cpp) ----
+
+QUANT_PATHS = ["arm-i8mm", "arm-dotprod", "generic"]
+# Errors relative to the largest |reference| (as assert_moe_close measures them). The reference quantizes the
+# activations as the kernels do, so what differs is float32 summation order, and through it an intermediate
+# value that lands on the other side of an int8 rounding boundary now and then (one code step of one row,
+# ~1/254 of that row's largest value): float32 outputs stay well inside 1e-3; bf16 ones also round.
+QUANT_TOLERANCES = {torch.float32: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
+
+
+@dataclass(frozen=True)
+class QuantCase:
+    case: Case
+    format: str            # int8_w8a8 | int4_w4a16
+    group: int = 0         # int4 group of w13 and w2 (0: a whole row)
+    symmetric: bool = True  # int4: zero 8, else zero points
+    dtype: torch.dtype = torch.bfloat16
+
+    def __str__(self) -> str:
+        fmt = self.format if self.format == "int8_w8a8" else \
+            f"int4-g{self.group or 'row'}{'' if self.symmetric else '-asym'}"
+        return f"{fmt}-{DTYPE_NAMES[self.dtype]}-{self.case}"
+
+
+QUANT_CASES = [
+    QuantCase(Case(MoECase(1, 64, 32, 4, 2)), "int8_w8a8"),  # decode: one row per expert
+    QuantCase(Case(MoECase(1, 64, 32, 4, 2)), "int4_w4a16", group=32),
+    QuantCase(Case(MoECase(7, 130, 70, 8, 2), bias=True), "int8_w8a8", dtype=torch.float32),  # odd H, I: padding
+    QuantCase(Case(MoECase(7, 130, 70, 8, 2), activation="gelu"), "int4_w4a16", symmetric=False),
+    QuantCase(Case(MoECase(5, 63, 17, 3, 1), activation="swigluoai", bias=True), "int4_w4a16", dtype=torch.float32),
+    QuantCase(Case(MoECase(33, 96, 64, 8, 8), activation="gelu_tanh"), "int4_w4a16", group=32, symmetric=False,
+              dtype=torch.float32),
+    QuantCase(Case(MoECase(40, 128, 64, 8, 2), routing="skewed"), "int8_w8a8"),
+    QuantCase(Case(MoECase(40, 128, 64, 8, 2), routing="skewed"), "int4_w4a16", group=64),
+    QuantCase(Case(MoECase(29, 64, 64, 8, 2), routing="expert_map"), "int4_w4a16", group=64, dtype=torch.float32),
+    # One expert's 13 rows: arm-i8mm's 8 + 5 row tiles, arm-dotprod's 4 + 4 + 4 + 1.
+    QuantCase(Case(MoECase(13, 64, 64, 16, 1), routing="one_expert"), "int8_w8a8", dtype=torch.float32),
+    QuantCase(Case(MoECase(15, 128, 128, 16, 1), routing="one_expert"), "int4_w4a16", group=128, dtype=torch.float32),
+    QuantCase(Case(MoECase(9, 64, 32, 4, 1), routing="weight_on_input"), "int8_w8a8"),
+]
+
+
+def _quantize(w: torch.Tensor, qc: QuantCase):
+    from cpumoe.quant import quantize
+    if qc.format == "int8_w8a8":
+        return quantize(w, "int8_w8a8")
+    return quantize(w, "int4_w4a16", group_size=qc.group or w.shape[-1], symmetric=qc.symmetric)
+
+
+def _write_quant_case(directory: Path, kernel: str, qc: QuantCase, p: MoEProblem, w13q, w2q,
+                      expert_map: torch.Tensor | None) -> None:
+    _write_case(directory, kernel, qc.dtype, qc.case, p, expert_map)
+    (directory / "w13.bin").unlink()
+    (directory / "w2.bin").unlink()
+    with open(directory / "meta.txt", "a") as meta:
+        meta.write(f"quant {qc.format}\ngroup13 {qc.group}\ngroup2 {qc.group}\nzeros {int(w13q.zeros is not None)}\n")
+    for prefix, w in (("w13", w13q), ("w2", w2q)):
+        for name, t in (("codes", w.qweight), ("scales", w.scales), ("zeros", w.zeros)):
+            if t is not None:
+                t.contiguous().flatten().view(torch.uint8).numpy().tofile(directory / f"{prefix}_{name}.bin")
+
+
+@pytest.mark.parametrize("qc", QUANT_CASES, ids=str)
+@pytest.mark.parametrize("kernel", QUANT_PATHS)
+def test_fused_moe_quant_matches_reference(driver, tmp_path, kernel, qc):
+    p, expert_map = _problem(qc.case, qc.dtype)
+    w13q, w2q = _quantize(p.w13, qc), _quantize(p.w2, qc)
+    _write_quant_case(tmp_path, kernel, qc, p, w13q, w2q, expert_map)
+    _run([QEMU, "-cpu", "max", str(driver), str(tmp_path)], f"driver on {kernel} {qc}")
+    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=qc.dtype).view(qc.case.shape.M, -1)
+    ref = reference.quantized_fused_experts(p.x, w13q, w2q, p.topk_weights, p.topk_ids, activation=qc.case.activation,
+                                            w13_bias=p.w13_bias, w2_bias=p.w2_bias, expert_map=expert_map,
+                                            apply_router_weight_on_input=qc.case.routing == "weight_on_input")
+    scale = max(ref.float().abs().max().item(), 1e-6)
+    tol = QUANT_TOLERANCES[qc.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol["atol"] * scale, rtol=tol["rtol"],
+                               msg=lambda m: f"{kernel} {qc}: {m}")

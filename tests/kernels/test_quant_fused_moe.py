@@ -1,0 +1,142 @@
+"""Every kernel path that runs a quantized format, against cpumoe.reference.quantized_fused_experts, over shape,
+group, activation and routing grids. Paths come from the registry, so a new ISA unit is covered as it lands."""
+import pytest
+import torch
+
+import cpumoe
+from cpumoe import reference
+from cpumoe.experts import ExpertsConfig, all_paths
+from cpumoe.quant import QuantFormat, quantize
+from tests.kernels.moe_cases import MoECase, make_problem
+from tests.kernels.tolerances import assert_quant_close
+
+# (format, group_size, symmetric): int4 in its four group sizes, with and without zero points.
+SCHEMES = [
+    ("int8_w8a8", None, True),
+    ("int4_w4a16", 32, True),
+    ("int4_w4a16", 64, False),
+    ("int4_w4a16", 128, True),
+    ("int4_w4a16", 0, False),  # a whole row
+    ("fp8_w8a16", 128, True),
+    ("fp8_w8a16", 32, True),
+    ("mxfp4_w4a16", None, True),
+]
+
+
+def native_paths_for(fmt: str, dtype: torch.dtype) -> list[str]:
+    config = ExpertsConfig(hidden_size=64, inter_size=32, num_experts=2, top_k=1, dtype=dtype, quantization=fmt)
+    return [p.name for p in all_paths() if p.name != "naive" and p.is_supported(config)[0]]
+
+
+def scheme_id(fmt, group, sym):
+    return f"{QuantFormat(fmt).name.split('_')[0].lower()}" + (f"-g{group}" if group is not None else "") + \
+        ("" if sym else "-asym")
+
+
+def grid(dtypes=(torch.bfloat16, torch.float32)):
+    out = []
+    for fmt, group, sym in SCHEMES:
+        for dtype in dtypes:
+            if not QuantFormat(fmt).int8_activations and dtype != torch.bfloat16:
+                continue
+            for path in native_paths_for(fmt, dtype):
+                out.append(pytest.param(path, fmt, group, sym, dtype,
+                                        id=f"{path}-{scheme_id(fmt, group, sym)}-{str(dtype).removeprefix('torch.')}"))
+    return out
+
+
+def fits(case: MoECase, fmt: str, group) -> bool:
+    """Group sizes must divide both K's (H for w13, I for w2); mxfp4 needs multiples of 32."""
+    if fmt == "mxfp4_w4a16" or (fmt == "int4_w4a16" and group):
+        g = 32 if fmt == "mxfp4_w4a16" else group
+        return case.H % g == 0 and case.I % g == 0
+    return True
+
+
+def quantized(p, fmt, group, sym):
+    group_size = None if group is None else group
+    kw = dict(symmetric=sym) if fmt == "int4_w4a16" else {}
+    if fmt == "int4_w4a16" and group == 0:
+        return (quantize(p.w13, fmt, p.w13.shape[-1], **kw), quantize(p.w2, fmt, p.w2.shape[-1], **kw))
+    return quantize(p.w13, fmt, group_size, **kw), quantize(p.w2, fmt, group_size, **kw)
+
+
+def check(path, fmt, group, sym, dtype, p, msg, *, activation="silu", expert_map=None, num_experts=None,
+          on_input=False):
+    E, two_i, H = p.w13.shape
+    if not fits(MoECase(M=1, H=H, I=two_i // 2, E=E, k=1), fmt, group):
+        pytest.skip(f"the group of {fmt} does not divide H={H} and I={two_i // 2}")
+    w13, w2 = quantized(p, fmt, group, sym)
+    layer = cpumoe.FusedMoE.from_quantized(w13, w2, top_k=p.topk_ids.shape[1], dtype=dtype, activation=activation,
+                                           w13_bias=p.w13_bias, w2_bias=p.w2_bias, expert_map=expert_map,
+                                           num_experts=num_experts, apply_router_weight_on_input=on_input,
+                                           backend=path)
+    assert layer.backend == path and layer.quantization == fmt
+    out = layer.experts(p.x, p.topk_weights, p.topk_ids)
+    ref = reference.quantized_fused_experts(p.x, w13, w2, p.topk_weights, p.topk_ids, activation=activation,
+                                            w13_bias=p.w13_bias, w2_bias=p.w2_bias, expert_map=expert_map,
+                                            apply_router_weight_on_input=on_input)
+    assert_quant_close(out, ref, dtype, msg)
+
+
+SHAPES = [
+    MoECase(M=1, H=64, I=32, E=1, k=1),
+    MoECase(M=2, H=128, I=64, E=8, k=2),
+    MoECase(M=7, H=130, I=70, E=8, k=2),      # K not a multiple of 32: padded
+    MoECase(M=33, H=256, I=128, E=8, k=8),    # every expert active, several int4 groups
+    MoECase(M=300, H=128, I=96, E=32, k=4),   # prefill-sized tiles
+    MoECase(M=5, H=63, I=17, E=3, k=1),       # odd sizes
+    MoECase(M=9, H=2048, I=768, E=4, k=2),    # real qwen3 per-expert shapes
+]
+
+
+@pytest.mark.parametrize("path,fmt,group,sym,dtype", grid())
+@pytest.mark.parametrize("case", SHAPES, ids=lambda c: c.id)
+def test_shapes(path, fmt, group, sym, dtype, case):
+    check(path, fmt, group, sym, dtype, make_problem(case, dtype), f"{path} {fmt} g{group} {case.id}")
+
+
+@pytest.mark.parametrize("path,fmt,group,sym,dtype", grid(dtypes=(torch.bfloat16,)))
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "swigluoai"])
+def test_activations_with_bias(path, fmt, group, sym, dtype, activation):
+    case = MoECase(M=17, H=256, I=128, E=8, k=2)
+    check(path, fmt, group, sym, dtype, make_problem(case, dtype, bias=True), f"{path} {fmt} {activation}",
+          activation=activation)
+
+
+@pytest.mark.parametrize("path,fmt,group,sym,dtype", grid(dtypes=(torch.bfloat16,)))
+def test_skewed_routing_and_expert_map(path, fmt, group, sym, dtype):
+    case = MoECase(M=40, H=256, I=128, E=8, k=2)
+    skewed = torch.stack([torch.zeros(40, dtype=torch.int32), torch.arange(40, dtype=torch.int32) % 8], dim=1)
+    skewed[:, 1] = torch.where(skewed[:, 1] == 0, 1, skewed[:, 1])  # no token picks expert 0 twice
+    check(path, fmt, group, sym, dtype, make_problem(case, dtype, topk_ids=skewed), f"{path} {fmt} skewed")
+    local = make_problem(MoECase(M=29, H=256, I=128, E=3, k=2), dtype)
+    ids = torch.randint(0, 8, (29, 2), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    ids[:, 1] = (ids[:, 0] + 1 + ids[:, 1] % 7) % 8
+    local.topk_ids = ids
+    expert_map = torch.full((8,), -1, dtype=torch.int32)
+    expert_map[torch.tensor([1, 4, 6])] = torch.arange(3, dtype=torch.int32)
+    check(path, fmt, group, sym, dtype, local, f"{path} {fmt} expert_map", expert_map=expert_map, num_experts=8)
+
+
+@pytest.mark.parametrize("path,fmt,group,sym,dtype", grid(dtypes=(torch.bfloat16,)))
+def test_router_weight_on_input(path, fmt, group, sym, dtype):
+    case = MoECase(M=11, H=256, I=128, E=4, k=1)
+    check(path, fmt, group, sym, dtype, make_problem(case, dtype), f"{path} {fmt} on_input", on_input=True)
+
+
+@pytest.mark.parametrize("path,fmt,group,sym,dtype", grid())
+@pytest.mark.parametrize("M,K,N", [(1, 128, 64), (5, 130, 70), (37, 2048, 256)], ids=lambda v: str(v))
+def test_linear(path, fmt, group, sym, dtype, M, K, N):
+    from cpumoe.models.packed_linear import QuantizedLinear
+    if not fits(MoECase(M=M, H=K, I=K, E=1, k=1), fmt, group):
+        pytest.skip("group does not divide K")
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(N, K, generator=g) / K**0.5
+    x = torch.randn(M, K, generator=g).to(dtype)
+    kw = dict(symmetric=sym) if fmt == "int4_w4a16" else {}
+    qw = quantize(w, fmt, K if group == 0 else group, **kw)
+    layer = QuantizedLinear(qw, has_bias=True, dtype=dtype, backend=path)
+    layer.bias = torch.nn.Parameter(torch.randn(N, generator=g).to(dtype), requires_grad=False)
+    assert layer.path == path
+    assert_quant_close(layer(x), reference.quantized_linear(x, qw, layer.bias), dtype, f"{path} {fmt} linear")
