@@ -111,30 +111,13 @@ at::Tensor pack(const at::Tensor& w, const std::string& kernel, bool is_w13) {
 at::Tensor pack_w13_op(const at::Tensor& w13, std::string_view kernel) { return pack(w13, std::string(kernel), true); }
 at::Tensor pack_w2_op(const at::Tensor& w2, std::string_view kernel) { return pack(w2, std::string(kernel), false); }
 
-at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
-                         const at::Tensor& topk_weights, const at::Tensor& topk_ids, std::string_view kernel_name,
-                         std::string_view activation, const std::optional<at::Tensor>& w13_bias,
-                         const std::optional<at::Tensor>& w2_bias, const std::optional<at::Tensor>& expert_map,
-                         bool apply_router_weight_on_input) {
-  const KernelTable& kt = kernel_or_throw(std::string(kernel_name));
-  check_dense(hidden, "hidden_states", 2);
-  const DType dt = to_dtype(hidden, "hidden_states");
-  TORCH_CHECK(kt.supports(dt), "kernel path '", kt.name, "' does not take ", dtype_name(dt), " activations");
-  check_dense(w13, "packed w13", 3);
-  check_dense(w2, "packed w2", 3);
-  TORCH_CHECK(w13.scalar_type() == hidden.scalar_type() && w2.scalar_type() == hidden.scalar_type(),
-              "weights (", w13.scalar_type(), ", ", w2.scalar_type(), ") must have the dtype of hidden_states (",
-              hidden.scalar_type(), ")");
-  const int64_t M = hidden.size(0), H = hidden.size(1), E = w13.size(0);
-  const PackedShape s13 = w13_packed_shape(H, w13.size(1) * kW13BlockInter, kt.layout);
-  TORCH_CHECK(w13.size(2) == s13.block_elems,
-              "packed w13 does not match hidden size ", H, " for kernel '", kt.name, "': block of ", w13.size(2),
-              " elements, expected ", s13.block_elems, " (was it packed for another path or hidden size?)");
-  const int64_t Ip = w13.size(1) * kW13BlockInter;
-  const PackedShape s2 = w2_packed_shape(H, Ip, kt.layout);
-  TORCH_CHECK(w2.size(0) == E && w2.size(1) == s2.blocks && w2.size(2) == s2.block_elems,
-              "packed w2 has shape ", w2.sizes(), ", expected [", E, ", ", s2.blocks, ", ", s2.block_elems,
-              "] for hidden size ", H, " and packed intermediate size ", Ip);
+// The routing inputs, expert map and packed biases both fused ops take, checked; then the driver runs.
+at::Tensor run_fused(FusedMoeArgs& a, const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                     const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                     const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias,
+                     const std::optional<at::Tensor>& expert_map, bool apply_router_weight_on_input, int64_t E,
+                     int64_t Ip, int64_t Hp) {
+  const int64_t M = hidden.size(0);
   check_dense(topk_weights, "topk_weights", 2);
   check_dense(topk_ids, "topk_ids", 2);
   TORCH_CHECK(topk_weights.scalar_type() == at::kFloat, "topk_weights must be float32, got ", topk_weights.scalar_type());
@@ -145,12 +128,7 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const 
   TORCH_CHECK(K >= 1, "top-k must be at least 1");
   TORCH_CHECK(!apply_router_weight_on_input || K == 1,
               "apply_router_weight_on_input needs top_k == 1, got ", K);
-
-  FusedMoeArgs a;
-  a.kernels = &kt;
-  a.dtype = dt;
-  a.act = to_activation(std::string(activation));
-  a.M = M, a.H = H, a.I = Ip, a.topk = K;
+  a.M = M, a.H = hidden.size(1), a.I = Ip, a.topk = K;
   a.local_experts = E;
   a.global_experts = E;
   if (expert_map) {
@@ -168,10 +146,9 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const 
   }
   if (w2_bias) {
     check_dense(*w2_bias, "packed w2_bias", 2);
-    TORCH_CHECK(w2_bias->scalar_type() == at::kFloat && w2_bias->size(0) == E &&
-                    w2_bias->size(1) == s2.blocks * kBlockCols,
-                "packed w2_bias must be float32 [", E, ", ", s2.blocks * kBlockCols, "], got ",
-                w2_bias->scalar_type(), " ", w2_bias->sizes());
+    TORCH_CHECK(w2_bias->scalar_type() == at::kFloat && w2_bias->size(0) == E && w2_bias->size(1) == Hp,
+                "packed w2_bias must be float32 [", E, ", ", Hp, "], got ", w2_bias->scalar_type(), " ",
+                w2_bias->sizes());
     a.w2_bias = w2_bias->data_ptr<float>();
   }
   at::Tensor out = at::empty_like(hidden);
@@ -188,6 +165,38 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const 
     TORCH_CHECK_VALUE(false, e.what());
   }
   return out;
+}
+
+at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids, std::string_view kernel_name,
+                         std::string_view activation, const std::optional<at::Tensor>& w13_bias,
+                         const std::optional<at::Tensor>& w2_bias, const std::optional<at::Tensor>& expert_map,
+                         bool apply_router_weight_on_input) {
+  const KernelTable& kt = kernel_or_throw(std::string(kernel_name));
+  check_dense(hidden, "hidden_states", 2);
+  const DType dt = to_dtype(hidden, "hidden_states");
+  TORCH_CHECK(kt.supports(dt), "kernel path '", kt.name, "' does not take ", dtype_name(dt), " activations");
+  check_dense(w13, "packed w13", 3);
+  check_dense(w2, "packed w2", 3);
+  TORCH_CHECK(w13.scalar_type() == hidden.scalar_type() && w2.scalar_type() == hidden.scalar_type(),
+              "weights (", w13.scalar_type(), ", ", w2.scalar_type(), ") must have the dtype of hidden_states (",
+              hidden.scalar_type(), ")");
+  const int64_t H = hidden.size(1), E = w13.size(0);
+  const PackedShape s13 = w13_packed_shape(H, w13.size(1) * kW13BlockInter, kt.layout);
+  TORCH_CHECK(w13.size(2) == s13.block_elems,
+              "packed w13 does not match hidden size ", H, " for kernel '", kt.name, "': block of ", w13.size(2),
+              " elements, expected ", s13.block_elems, " (was it packed for another path or hidden size?)");
+  const int64_t Ip = w13.size(1) * kW13BlockInter;
+  const PackedShape s2 = w2_packed_shape(H, Ip, kt.layout);
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == s2.blocks && w2.size(2) == s2.block_elems,
+              "packed w2 has shape ", w2.sizes(), ", expected [", E, ", ", s2.blocks, ", ", s2.block_elems,
+              "] for hidden size ", H, " and packed intermediate size ", Ip);
+  FusedMoeArgs a;
+  a.kernels = &kt;
+  a.dtype = dt;
+  a.act = to_activation(std::string(activation));
+  return run_fused(a, hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map,
+                   apply_router_weight_on_input, E, Ip, s2.blocks * kBlockCols);
 }
 
 // Canonical quantized weights (cpumoe/quant/formats.py) [E, N, K] -> quant.h blocks [E, blocks, block_bytes].
@@ -262,23 +271,13 @@ at::Tensor fused_experts_quant(const at::Tensor& hidden, const at::Tensor& w13, 
   const DType dt = to_dtype(hidden, "hidden_states");
   TORCH_CHECK_VALUE(quant_int8_activations(f) || dt == DType::kBFloat16, quant_format_name(f),
                     " takes bfloat16 activations, got ", hidden.scalar_type());
-  const int64_t M = hidden.size(0), H = hidden.size(1);
+  const int64_t H = hidden.size(1);
   check_dense(w13, "packed w13", 3);
   const int64_t E = w13.size(0), Ip = w13.size(1) * kW13BlockInter;
   // The packed w13 holds Ip/32 blocks: check it as a [2*Ip, H] weight (the padded rows are what was packed).
   const QuantPackedShape s13 = check_quant_packed(w13, "packed w13", f, 2 * Ip, H, group_size, true);
   const QuantPackedShape s2 = check_quant_packed(w2, "packed w2", f, H, Ip, group_size, false);
   TORCH_CHECK_VALUE(w2.size(0) == E, "packed w2 holds ", w2.size(0), " experts, w13 ", E);
-  check_dense(topk_weights, "topk_weights", 2);
-  check_dense(topk_ids, "topk_ids", 2);
-  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat, "topk_weights must be float32, got ", topk_weights.scalar_type());
-  TORCH_CHECK(topk_ids.scalar_type() == at::kInt, "topk_ids must be int32, got ", topk_ids.scalar_type());
-  TORCH_CHECK(topk_ids.size(0) == M && topk_weights.sizes() == topk_ids.sizes(),
-              "topk_weights ", topk_weights.sizes(), " and topk_ids ", topk_ids.sizes(), " must both be [", M, ", k]");
-  const int64_t K = topk_ids.size(1);
-  TORCH_CHECK(K >= 1, "top-k must be at least 1");
-  TORCH_CHECK(!apply_router_weight_on_input || K == 1, "apply_router_weight_on_input needs top_k == 1, got ", K);
-
   FusedMoeArgs a;
   a.quant = &qk;
   a.format = f;
@@ -286,44 +285,8 @@ at::Tensor fused_experts_quant(const at::Tensor& hidden, const at::Tensor& w13, 
   a.group2 = s2.group;
   a.dtype = dt;
   a.act = to_activation(std::string(activation));
-  a.M = M, a.H = H, a.I = Ip, a.topk = K;
-  a.local_experts = E;
-  a.global_experts = E;
-  if (expert_map) {
-    check_dense(*expert_map, "expert_map", 1);
-    TORCH_CHECK(expert_map->scalar_type() == at::kInt, "expert_map must be int32, got ", expert_map->scalar_type());
-    a.expert_map = expert_map->data_ptr<int32_t>();
-    a.global_experts = expert_map->size(0);
-  }
-  if (w13_bias) {
-    check_dense(*w13_bias, "packed w13_bias", 2);
-    TORCH_CHECK(w13_bias->scalar_type() == at::kFloat && w13_bias->size(0) == E && w13_bias->size(1) == 2 * Ip,
-                "packed w13_bias must be float32 [", E, ", ", 2 * Ip, "], got ", w13_bias->scalar_type(), " ",
-                w13_bias->sizes());
-    a.w13_bias = w13_bias->data_ptr<float>();
-  }
-  if (w2_bias) {
-    check_dense(*w2_bias, "packed w2_bias", 2);
-    TORCH_CHECK(w2_bias->scalar_type() == at::kFloat && w2_bias->size(0) == E &&
-                    w2_bias->size(1) == s2.blocks * kBlockCols,
-                "packed w2_bias must be float32 [", E, ", ", s2.blocks * kBlockCols, "], got ",
-                w2_bias->scalar_type(), " ", w2_bias->sizes());
-    a.w2_bias = w2_bias->data_ptr<float>();
-  }
-  at::Tensor out = at::empty_like(hidden);
-  a.hidden = hidden.data_ptr();
-  a.topk_weights = topk_weights.data_ptr<float>();
-  a.topk_ids = topk_ids.data_ptr<int32_t>();
-  a.w13 = w13.data_ptr();
-  a.w2 = w2.data_ptr();
-  a.out = out.data_ptr();
-  a.apply_router_weight_on_input = apply_router_weight_on_input;
-  try {
-    fused_moe(a, torch_parallel());
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-  return out;
+  return run_fused(a, hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map,
+                   apply_router_weight_on_input, E, Ip, s2.blocks * kBlockCols);
 }
 
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,

@@ -13,11 +13,12 @@ TOLERANCES = {
 }
 
 
-def assert_moe_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, msg: str = "") -> None:
+def assert_moe_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, msg: str = "",
+                     table: dict = TOLERANCES) -> None:
     assert out.dtype == ref.dtype == dtype, f"{msg}: dtypes {out.dtype}, {ref.dtype}, expected {dtype}"
     assert out.shape == ref.shape, f"{msg}: shape {list(out.shape)} != reference {list(ref.shape)}"
     scale = max(ref.float().abs().max().item(), 1e-6)
-    tol = TOLERANCES[dtype]
+    tol = table[dtype]
     torch.testing.assert_close(out.float(), ref.float(), atol=tol["atol"] * scale, rtol=tol["rtol"],
                                msg=lambda m: f"{msg}: {m}")
 
@@ -34,9 +35,4 @@ QUANT_TOLERANCES = {
 
 
 def assert_quant_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, msg: str = "") -> None:
-    assert out.dtype == ref.dtype == dtype, f"{msg}: dtypes {out.dtype}, {ref.dtype}, expected {dtype}"
-    assert out.shape == ref.shape, f"{msg}: shape {list(out.shape)} != reference {list(ref.shape)}"
-    scale = max(ref.float().abs().max().item(), 1e-6)
-    tol = QUANT_TOLERANCES[dtype]
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol["atol"] * scale, rtol=tol["rtol"],
-                               msg=lambda m: f"{msg}: {m}")
+    assert_moe_close(out, ref, dtype, msg, QUANT_TOLERANCES)

@@ -6,6 +6,7 @@
 #include <arm_neon.h>
 
 #include <cstring>
+#include <utility>
 
 #include "../quant.h"
 #include "../simd.h"
@@ -71,6 +72,53 @@ inline void a8_w2_finish(const GemmTile& t, const A8Row (&rows)[R], const float*
     const simd::f32x16 v[4] = {simd::load_f32(tile[r]) * cs[0] * sa, simd::load_f32(tile[r] + 16) * cs[1] * sa,
                                simd::load_f32(tile[r] + 32) * cs[2] * sa, simd::load_f32(tile[r] + 48) * cs[3] * sa};
     simd::w2_epilogue(t, r, v);
+  }
+}
+
+// A unit's tiles from its accumulate: Unit::accumulate<F, R>(t, rows, tile) fills R rows x 64 columns of float
+// dot products, and these wrap it into the row tiles the driver calls, Unit::kMaxRows rows per register tile.
+template <class Unit, QuantFormat F>
+struct A8Tiles {
+  static const float* col_scale(const GemmTile& t) {  // int8's weight scale comes after the dot; int4's is in it
+    return F == QuantFormat::kInt8W8A8 ? int8_col_scales(t) : nullptr;
+  }
+  template <int R>
+  static void w13_rows(const GemmTile& t) {
+    A8Row rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = a8_row(t.a_rows[r], t.k);
+    float tile[R][kBlockCols];
+    Unit::template accumulate<F, R>(t, rows, tile);
+    a8_w13_finish<R>(t, rows, col_scale(t), tile);
+  }
+  template <int R>
+  static void w2_rows(const GemmTile& t) {
+    A8Row rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = a8_row(t.a_rows[r], t.k);
+    float tile[R][kBlockCols];
+    Unit::template accumulate<F, R>(t, rows, tile);
+    a8_w2_finish<R>(t, rows, col_scale(t), tile);
+  }
+  template <std::size_t... I>
+  static void run(const GemmTile& t, bool w13, std::index_sequence<I...>) {
+    static constexpr TileFn fns13[] = {nullptr, w13_rows<int(I) + 1>...};
+    static constexpr TileFn fns2[] = {nullptr, w2_rows<int(I) + 1>...};
+    run_row_tiles(t, w13 ? fns13 : fns2, Unit::kMaxRows, 4);  // both write float32
+  }
+  static void w13_tile(const GemmTile& t) { run(t, true, std::make_index_sequence<Unit::kMaxRows>{}); }
+  static void w2_tile(const GemmTile& t) { run(t, false, std::make_index_sequence<Unit::kMaxRows>{}); }
+  static const QuantKernel* kernel() {
+    static const QuantKernel k{Unit::kMaxRows, false, w13_tile, w2_tile};  // signed x signed: no u8 rows
+    return &k;
+  }
+};
+
+// The int8 and int4 tiles of a unit, per format.
+template <class Unit>
+const QuantKernel* a8_kernel(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::kInt8W8A8: return A8Tiles<Unit, QuantFormat::kInt8W8A8>::kernel();
+    case QuantFormat::kInt4W4A16: return A8Tiles<Unit, QuantFormat::kInt4W4A16>::kernel();
+    default: return nullptr;  // fp8 / mxfp4: bf16 formats, no tiles here
   }
 }
 

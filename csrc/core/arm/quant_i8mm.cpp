@@ -166,54 +166,16 @@ inline void accumulate(const GemmTile& t, const A8Row (&rows)[R], float (&tile)[
   }
 }
 
-// int8's per-column weight scale is applied after the dot; int4's is already in the group sums.
-template <QuantFormat F>
-inline const float* col_scale(const GemmTile& t) {
-  return F == QuantFormat::kInt8W8A8 ? int8_col_scales(t) : nullptr;
-}
-
-template <QuantFormat F, int R>
-void w13_rows(const GemmTile& t) {
-  A8Row rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = a8_row(t.a_rows[r], t.k);
-  float tile[R][kBlockCols];
-  accumulate<F, R>(t, rows, tile);
-  a8_w13_finish<R>(t, rows, col_scale<F>(t), tile);
-}
-
-template <QuantFormat F, int R>
-void w2_rows(const GemmTile& t) {
-  A8Row rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = a8_row(t.a_rows[r], t.k);
-  float tile[R][kBlockCols];
-  accumulate<F, R>(t, rows, tile);
-  a8_w2_finish<R>(t, rows, col_scale<F>(t), tile);
-}
-
-template <QuantFormat F>
-struct Tiles {
-  static constexpr TileFn w13[kMaxRows + 1] = {nullptr,        w13_rows<F, 1>, w13_rows<F, 2>,
-                                               w13_rows<F, 3>, w13_rows<F, 4>, w13_rows<F, 5>,
-                                               w13_rows<F, 6>, w13_rows<F, 7>, w13_rows<F, 8>};
-  static constexpr TileFn w2[kMaxRows + 1] = {nullptr,       w2_rows<F, 1>, w2_rows<F, 2>,
-                                              w2_rows<F, 3>, w2_rows<F, 4>, w2_rows<F, 5>,
-                                              w2_rows<F, 6>, w2_rows<F, 7>, w2_rows<F, 8>};
-  static void w13_tile(const GemmTile& t) { run_row_tiles(t, w13, kMaxRows, 4); }  // float32 out
-  static void w2_tile(const GemmTile& t) { run_row_tiles(t, w2, kMaxRows, 4); }
+struct I8mm {
+  static constexpr int kMaxRows = ::cpumoe::kMaxRows;
+  template <QuantFormat F, int R>
+  static void accumulate(const GemmTile& t, const A8Row (&rows)[R], float (&tile)[R][kBlockCols]) {
+    ::cpumoe::accumulate<F, R>(t, rows, tile);
+  }
 };
 
 }  // namespace
 
-const QuantKernel* quant_arm_i8mm(QuantFormat f) {
-  static const QuantKernel int8{kMaxRows, false, Tiles<QuantFormat::kInt8W8A8>::w13_tile,
-                                Tiles<QuantFormat::kInt8W8A8>::w2_tile};
-  static const QuantKernel int4{kMaxRows, false, Tiles<QuantFormat::kInt4W4A16>::w13_tile,
-                                Tiles<QuantFormat::kInt4W4A16>::w2_tile};
-  switch (f) {
-    case QuantFormat::kInt8W8A8: return &int8;
-    case QuantFormat::kInt4W4A16: return &int4;
-    default: return nullptr;  // fp8 / mxfp4: bf16 formats, no tiles here
-  }
-}
+const QuantKernel* quant_arm_i8mm(QuantFormat f) { return a8_kernel<I8mm>(f); }
 
 }  // namespace cpumoe
