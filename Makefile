@@ -30,7 +30,7 @@ $(MODEL)-%: | $(MODEL)
 	mv $@.partial $@
 
 bench-quant: setup $(MODEL) $(QUANT_MODELS)
-	.venv/bin/cpumoe bench model $(MODEL) $(QUANT_MODELS) --batch 1,16 --input-len 512 --output-len 64 \
+	.venv/bin/cpumoe bench model $(MODEL) $(QUANT_MODELS) --batch 1 --input-len 512 --output-len 128 \
 		--json bench-quant.json
 
 # The fused MoE layer alone, every available path against the naive loop.
