@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
-#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -43,24 +42,19 @@ struct Item {
   int32_t row_begin;  // in the expert-sorted row order
   int32_t rows;
   int32_t block;
-  int32_t chunk;      // index of its (expert, row chunk) in make_items' order
 };
 
-std::vector<Item> make_items(const std::vector<int64_t>& offsets, int64_t blocks, int tile_rows,
-                             int64_t* chunk_count = nullptr) {
+std::vector<Item> make_items(const std::vector<int64_t>& offsets, int64_t blocks, int tile_rows) {
   std::vector<Item> items;
-  int32_t chunk_index = 0;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     const int64_t rows = offsets[e + 1] - offsets[e];
     if (rows == 0) continue;
     const int64_t chunks = (rows + kMaxRowChunk - 1) / kMaxRowChunk;
     const int64_t chunk = round_up((rows + chunks - 1) / chunks, tile_rows);
-    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += chunk, ++chunk_index)
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += chunk)
       for (int64_t b = 0; b < blocks; ++b)
-        items.push_back({int32_t(e), int32_t(r), int32_t(std::min(chunk, offsets[e + 1] - r)), int32_t(b),
-                         chunk_index});
+        items.push_back({int32_t(e), int32_t(r), int32_t(std::min(chunk, offsets[e + 1] - r)), int32_t(b)});
   }
-  if (chunk_count) *chunk_count = chunk_index;
   return items;
 }
 
@@ -225,18 +219,7 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
   const float* w2_scale = a.apply_router_weight_on_input ? nullptr : row_scale;
 
   // 3. w13 with the activation fused: inter[r][Ip].
-  // A8: each intermediate row is quantized per (token, slot), as the reference does, by the worker that
-  // finishes its row chunk's last w13 block: one parallel region and barrier fewer than a pass of its own
-  // (measured 31 us of a 1.9 ms one-thread int4 decode; under CPU contention each region can cost a time
-  // slice), and the quantization overlaps the other worker's tiles.
-  int64_t chunks13 = 0;
-  std::vector<Item> items13 = make_items(offsets, geo.blocks13, geo.max_rows, &chunks13);
-  std::unique_ptr<std::atomic<int32_t>[]> blocks_left(geo.int8_rows ? new std::atomic<int32_t>[chunks13] : nullptr);
-  for (int64_t c = 0; c < (geo.int8_rows ? chunks13 : 0); ++c) blocks_left[c].store(int32_t(geo.blocks13));
-  auto quantize_inter = [&](int64_t r) {
-    quantize_row_f32(reinterpret_cast<const float*>(inter) + r * Ip, Ip, Ip, geo.unsigned_rows,
-                     reinterpret_cast<uint8_t*>(qinter + r * stride2));
-  };
+  std::vector<Item> items13 = make_items(offsets, geo.blocks13, geo.max_rows);
   parallel_items(parallel, int64_t(items13.size()), [&](int64_t i) {
     const Item& it = items13[i];
     GemmTile t{};
@@ -252,10 +235,14 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
     t.act = a.act;
     t.group = a.group13;
     w13_tile(t);
-    // acq_rel: the chunk's other blocks, written by whichever worker ran them, are visible to the last one
-    if (geo.int8_rows && blocks_left[it.chunk].fetch_sub(1, std::memory_order_acq_rel) == 1)
-      for (int64_t r = it.row_begin; r < it.row_begin + it.rows; ++r) quantize_inter(r);
   });
+
+  // 3b. A8: quantize each intermediate row per (token, slot), as the reference does.
+  if (geo.int8_rows)
+    parallel_items(parallel, rows, [&](int64_t r) {
+      quantize_row_f32(reinterpret_cast<const float*>(inter) + r * Ip, Ip, Ip, geo.unsigned_rows,
+                       reinterpret_cast<uint8_t*>(qinter + r * stride2));
+    });
 
   // 4. w2, scaled by the router weight: ys[r][Hp] float32.
   std::vector<Item> items2 = make_items(offsets, geo.blocks2, geo.max_rows);
