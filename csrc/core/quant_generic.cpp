@@ -130,44 +130,24 @@ const QuantKernel kGeneric[kNumQuantFormats] = {
     {1, false, w13_tile<dot_mxfp4>, w2_tile<dot_mxfp4>},
 };
 
-// Writes the A8 row layout from float values x[0:K]. On x86 it is also built for AVX-512 and picked at load
-// time: the baseline build calls libm's nearbyint per element (~50 us a decode call for Qwen3-30B's token and
-// its 8 intermediate rows, 3% of an int4 decode); the AVX-512 clone vectorizes it. The same IEEE operations
-// (divide, round half even, clamp), so the rows are bit-identical.
-#if defined(__x86_64__) && defined(__GNUC__)
-#define CPUMOE_X86_CLONES __attribute__((target_clones("avx512f", "default")))
-#else
-#define CPUMOE_X86_CLONES
-#endif
-CPUMOE_X86_CLONES void write_quantized_row(const float* x, int64_t K, int64_t Kp, bool unsigned_activations,
-                                             uint8_t* dst) {
+// Writes the A8 row layout from float values x[0:K].
+void write_quantized_row(const float* x, int64_t K, int64_t Kp, bool unsigned_activations, uint8_t* dst) {
   float amax = 0.0f;
   for (int64_t k = 0; k < K; ++k) amax = std::fmax(amax, std::fabs(x[k]));
   const float scale = amax / 127.0f;
   int32_t* sums = reinterpret_cast<int32_t*>(dst + Kp + 4);
   std::memcpy(dst + Kp, &scale, 4);
-  const int32_t offset = unsigned_activations ? 128 : 0;
-  const int64_t quantized = scale > 0.0f ? K : 0;
-  // Three plain loops (quantize, pad, sum) so that each vectorizes.
-  for (int64_t k = 0; k < quantized; ++k) {
-    const float v = std::nearbyint(x[k] / scale);  // round half to even, as torch.round
-    dst[k] = uint8_t(int32_t(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v)) + offset);
+  const uint8_t offset = unsigned_activations ? 128 : 0;
+  for (int64_t c = 0; c < Kp / 32; ++c) sums[c] = 0;
+  for (int64_t k = 0; k < Kp; ++k) {
+    int32_t q = 0;
+    if (k < K && scale > 0.0f) {
+      const float v = std::nearbyint(x[k] / scale);  // round half to even, as torch.round
+      q = int32_t(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+    }
+    dst[k] = uint8_t(q + offset);
+    sums[k / 32] += q;
   }
-  for (int64_t k = quantized; k < Kp; ++k) dst[k] = uint8_t(offset);
-  for (int64_t c = 0; c < Kp / 32; ++c) {
-    int32_t sum = 0;
-    for (int64_t k = 32 * c; k < 32 * c + 32; ++k) sum += int8_t(uint8_t(dst[k] - offset));  // back to signed q
-    sums[c] = sum;
-  }
-}
-
-CPUMOE_X86_CLONES void widen_row(const void* x, int64_t K, DType dtype, float* dst) {
-  if (dtype == DType::kBFloat16) {  // the common case, as its own loop so that it vectorizes
-    const uint16_t* src = static_cast<const uint16_t*>(x);
-    for (int64_t k = 0; k < K; ++k) dst[k] = bf16_to_f32(src[k]);
-    return;
-  }
-  for (int64_t k = 0; k < K; ++k) dst[k] = load_as_f32(x, k, dtype);
 }
 
 }  // namespace
@@ -185,7 +165,7 @@ void quantize_row(const void* x, int64_t K, DType dtype, int64_t Kp, bool unsign
   }
   static thread_local std::vector<float> buf;
   buf.resize(K);
-  widen_row(x, K, dtype, buf.data());
+  for (int64_t k = 0; k < K; ++k) buf[k] = load_as_f32(x, k, dtype);
   write_quantized_row(buf.data(), K, Kp, unsigned_activations, dst);
 }
 
