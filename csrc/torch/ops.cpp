@@ -289,6 +289,29 @@ at::Tensor fused_experts_quant(const at::Tensor& hidden, const at::Tensor& w13, 
                    apply_router_weight_on_input, E, Ip, s2.blocks * kBlockCols);
 }
 
+// The bias check, output and run both linear ops share; `a` holds the weights' tiles and dtype.
+at::Tensor run_linear(LinearArgs& a, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                      int64_t out_features) {
+  const int64_t K = x.size(-1);
+  at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = out_features;
+  at::Tensor out = at::empty({x2.size(0), out_features}, x.options());
+  at::Tensor b;
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [", out_features, "], got ",
+                bias->sizes());
+    b = bias->to(at::kFloat).contiguous();
+  }
+  a.M = x2.size(0), a.K = K, a.N = out_features;
+  a.x = x2.data_ptr();
+  a.w = w.data_ptr();
+  a.bias = bias ? b.data_ptr<float>() : nullptr;
+  a.out = out.data_ptr();
+  linear(a, torch_parallel());
+  return out.view(out_shape);
+}
+
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                         std::string_view path, std::string_view format, int64_t group_size, int64_t out_features) {
   const QuantFormat f = to_format(std::string(format));
@@ -300,28 +323,12 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& w, const std::opt
   const int64_t K = x.size(-1);
   const QuantPackedShape s = check_quant_packed(w, "packed linear weight", f, out_features, K, group_size, false);
   TORCH_CHECK_VALUE(w.size(0) == 1, "packed linear weight must hold one matrix, got ", w.sizes());
-  at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = out_features;
-  at::Tensor out = at::empty({x2.size(0), out_features}, x.options());
-  at::Tensor b;
-  if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [", out_features, "], got ",
-                bias->sizes());
-    b = bias->to(at::kFloat).contiguous();
-  }
   LinearArgs a;
   a.quant = &qk;
   a.format = f;
   a.group = s.group;
   a.dtype = dt;
-  a.M = x2.size(0), a.K = K, a.N = out_features;
-  a.x = x2.data_ptr();
-  a.w = w.data_ptr();
-  a.bias = bias ? b.data_ptr<float>() : nullptr;
-  a.out = out.data_ptr();
-  linear(a, torch_parallel());
-  return out.view(out_shape);
+  return run_linear(a, x, w, bias, out_features);
 }
 
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
@@ -338,26 +345,10 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::option
   TORCH_CHECK(w.size(0) == 1 && w.size(1) == s.blocks && w.size(2) == s.block_elems, "packed linear weight ",
               w.sizes(), " does not match in_features ", K, " and out_features ", out_features, " for path '",
               kt.name, "' (expected [1, ", s.blocks, ", ", s.block_elems, "])");
-  at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = out_features;
-  at::Tensor out = at::empty({x2.size(0), out_features}, x.options());
-  at::Tensor b;
-  if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [", out_features, "], got ",
-                bias->sizes());
-    b = bias->to(at::kFloat).contiguous();
-  }
   LinearArgs a;
   a.kernels = &kt;
   a.dtype = dt;
-  a.M = x2.size(0), a.K = K, a.N = out_features;
-  a.x = x2.data_ptr();
-  a.w = w.data_ptr();
-  a.bias = bias ? b.data_ptr<float>() : nullptr;
-  a.out = out.data_ptr();
-  linear(a, torch_parallel());
-  return out.view(out_shape);
+  return run_linear(a, x, w, bias, out_features);
 }
 
 }  // namespace
