@@ -15,6 +15,7 @@
 #include <arm_neon.h>
 
 #include "../simd.h"
+#include "mmla.h"
 
 namespace cpumoe {
 namespace {
@@ -48,15 +49,7 @@ inline void accumulate_pass(const GemmTile& t, int pair0, float (&tile)[R][kBloc
       for (int p = 0; p < P; ++p) acc[p][g] = vbfmmlaq_f32(acc[p][g], x[p], w);
     }
   }
-#pragma GCC unroll 4
-  for (int p = 0; p < P; ++p)
-#pragma GCC unroll 8
-    for (int g = 0; g < G; g += 2) {
-      const float64x2_t lo = vreinterpretq_f64_f32(acc[p][g]), hi = vreinterpretq_f64_f32(acc[p][g + 1]);
-      const int col = 2 * (pair0 + g);
-      vst1q_f32(&tile[2 * p][col], vreinterpretq_f32_f64(vzip1q_f64(lo, hi)));
-      if (2 * p + 1 < R) vst1q_f32(&tile[2 * p + 1][col], vreinterpretq_f32_f64(vzip2q_f64(lo, hi)));
-    }
+  store_pairs<R, P, G>(acc, pair0, tile);
 }
 
 template <int R>

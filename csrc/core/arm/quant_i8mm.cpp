@@ -19,6 +19,7 @@
 // columns of each row, stored to a float tile for the shared epilogue (quant_arm.h).
 // One row (decode) wastes half of each SMMLA on the duplicated row; quant_dotprod.cpp's SDOT tiles do
 // the same work with no zips, so a CPU with both would do better with those for a single row.
+#include "mmla.h"
 #include "quant_arm.h"
 
 namespace cpumoe {
@@ -50,20 +51,6 @@ template <int P>
 inline void load_rows(const int8_t* const (&a)[2 * P], int64_t s, int8x16_t (&x)[P]) {
 #pragma GCC unroll 4
   for (int p = 0; p < P; ++p) x[p] = vcombine_s8(vld1_s8(a[2 * p] + 8 * s), vld1_s8(a[2 * p + 1] + 8 * s));
-}
-
-// tile[r][2 * pair0 : 2 * (pair0 + G)] = acc, from the SMMLA layout [r0 c, r0 c+1, r1 c, r1 c+1].
-template <int R, int P, int G>
-inline void store_pairs(const float32x4_t (&acc)[P][G], int pair0, float (&tile)[R][kBlockCols]) {
-#pragma GCC unroll 4
-  for (int p = 0; p < P; ++p)
-#pragma GCC unroll 8
-    for (int g = 0; g < G; g += 2) {
-      const float64x2_t lo = vreinterpretq_f64_f32(acc[p][g]), hi = vreinterpretq_f64_f32(acc[p][g + 1]);
-      const int col = 2 * (pair0 + g);
-      vst1q_f32(&tile[2 * p][col], vreinterpretq_f32_f64(vzip1q_f64(lo, hi)));
-      if (2 * p + 1 < R) vst1q_f32(&tile[2 * p + 1][col], vreinterpretq_f32_f64(vzip2q_f64(lo, hi)));
-    }
 }
 
 // int8: tile[r][2 * pair0 ...] = a_r . w (integer dot, as float32) for G column pairs.
