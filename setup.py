@@ -48,12 +48,15 @@ class BuildWithIsaUnits(BuildExtension):
 
 arch_dir = {"x86_64": "x86", "AMD64": "x86", "aarch64": "arm", "arm64": "arm"}[platform.machine()]
 sources = sorted(glob.glob("csrc/core/*.cpp") + glob.glob(f"csrc/core/{arch_dir}/*.cpp") + ["csrc/torch/ops.cpp"])
+# A changed header rebuilds the extension (setuptools compares only sources and depends with the binary).
+headers = sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.inc", recursive=True))
 
 setup(
     ext_modules=[
         CppExtension(
             "cpumoe._C",
             sources,
+            depends=headers,
             # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header; without it, it runs serially.
             # The extension then shares the libgomp that torch has already loaded.
             extra_compile_args=["-O3", "-std=c++17", "-fno-math-errno", "-fopenmp", "-Wall", "-Wno-unused-function", "-Wno-psabi"],

@@ -21,6 +21,10 @@
 
 namespace cpumoe {
 namespace qx86 {
+// Unnamed, so that each unit gets its own copy: every unit's Dot types mangle alike (GCC names each unit's
+// unnamed namespace _GLOBAL__N_1), and a shared Tiles<Int4Dot, ...> would let the linker keep one unit's
+// dispatch table for all of them, running one ISA's tiles under another's name.
+namespace {
 
 // A8 row: int8 (or u8) a[Kp], f32 scale at byte Kp, int32 sums[Kp/32] at byte Kp + 4.
 static inline float a8_scale(const void* row, int64_t Kp) {
@@ -72,5 +76,6 @@ struct Tiles {
   }
 };
 
+}  // namespace
 }  // namespace qx86
 }  // namespace cpumoe
