@@ -97,7 +97,7 @@ std::vector<PathSpec> specs() {
 
 }  // namespace
 
-std::vector<std::string> cpu_features() {
+const std::vector<std::string>& cpu_features() {
   static const std::vector<std::string> features = detect();
   return features;
 }
@@ -107,7 +107,9 @@ bool cpu_has(const std::string& feature) {
   return std::find(f.begin(), f.end(), feature) != f.end();
 }
 
-std::vector<KernelInfo> kernel_paths() {
+namespace {
+
+std::vector<KernelInfo> probe_paths() {
   std::vector<KernelInfo> out;
   for (const PathSpec& s : specs()) {
     KernelInfo info{nullptr, s.name, "", {}};
@@ -127,6 +129,14 @@ std::vector<KernelInfo> kernel_paths() {
     out.push_back(info);
   }
   return out;
+}
+
+}  // namespace
+
+// Built once: every op call looks its path up here, and the CPU does not change under a process.
+const std::vector<KernelInfo>& kernel_paths() {
+  static const std::vector<KernelInfo> paths = probe_paths();
+  return paths;
 }
 
 const KernelTable* find_kernel(const std::string& name, std::string* why) {

@@ -10,7 +10,7 @@ namespace cpumoe {
 
 // Feature names as Linux's /proc/cpuinfo spells them (avx2, avx512f, avx512_bf16, asimd, bf16, i8mm...),
 // usable ones only (the OS saves the registers).
-std::vector<std::string> cpu_features();
+const std::vector<std::string>& cpu_features();
 bool cpu_has(const std::string& feature);
 
 struct KernelInfo {
@@ -21,7 +21,7 @@ struct KernelInfo {
 };
 
 // Every path cpumoe knows, fastest first, with whether it can run on this CPU.
-std::vector<KernelInfo> kernel_paths();
+const std::vector<KernelInfo>& kernel_paths();
 // The named path's dense tiles, or nullptr with *why set.
 const KernelTable* find_kernel(const std::string& name, std::string* why);
 // The named path's tiles for a quantized format, or nullptr with *why set.

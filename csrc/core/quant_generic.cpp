@@ -130,24 +130,47 @@ const QuantKernel kGeneric[kNumQuantFormats] = {
     {1, false, w13_tile<dot_mxfp4>, w2_tile<dot_mxfp4>},
 };
 
-// Writes the A8 row layout from float values x[0:K].
-void write_quantized_row(const float* x, int64_t K, int64_t Kp, bool unsigned_activations, uint8_t* dst) {
-  float amax = 0.0f;
-  for (int64_t k = 0; k < K; ++k) amax = std::fmax(amax, std::fabs(x[k]));
+// Writes the A8 row layout from float values x[0:K]. Plain loops without libm calls, so that the baseline
+// ISA vectorizes them: a decode step quantizes a few rows per layer, and scalar nearbyint/fmax calls made
+// that a visible share of an int4 step.
+void write_quantized_row(const float* __restrict x, int64_t K, int64_t Kp, bool unsigned_activations,
+                         uint8_t* __restrict dst) {
+  // max |x| on the bit patterns: |x| orders as its bits do (NaN above all, as torch's amax), and an integer
+  // max reduction vectorizes where a float one would need -ffast-math.
+  uint32_t amax_bits = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    uint32_t b;
+    std::memcpy(&b, x + k, 4);
+    b &= 0x7FFFFFFFu;
+    amax_bits = b > amax_bits ? b : amax_bits;
+  }
+  float amax;
+  std::memcpy(&amax, &amax_bits, 4);
   const float scale = amax / 127.0f;
-  int32_t* sums = reinterpret_cast<int32_t*>(dst + Kp + 4);
   std::memcpy(dst + Kp, &scale, 4);
   const uint8_t offset = unsigned_activations ? 128 : 0;
-  for (int64_t c = 0; c < Kp / 32; ++c) sums[c] = 0;
-  for (int64_t k = 0; k < Kp; ++k) {
-    int32_t q = 0;
-    if (k < K && scale > 0.0f) {
-      const float v = std::nearbyint(x[k] / scale);  // round half to even, as torch.round
-      q = int32_t(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+  int8_t* q = reinterpret_cast<int8_t*>(dst);
+  if (scale > 0.0f) {
+    // Adding and taking away 1.5 * 2^23 rounds a float below 2^22 to the nearest integer, ties to even
+    // (the default rounding mode), exactly as torch.round; clamping first keeps the code in int8.
+    constexpr float kRound = 12582912.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      float v = x[k] / scale;
+      v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+      q[k] = int8_t(int32_t((v + kRound) - kRound));
     }
-    dst[k] = uint8_t(q + offset);
-    sums[k / 32] += q;
+  } else {
+    std::memset(q, 0, K);
   }
+  std::memset(q + K, 0, Kp - K);
+  int32_t* sums = reinterpret_cast<int32_t*>(dst + Kp + 4);
+  for (int64_t c = 0; c < Kp / 32; ++c) {
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) sum += q[32 * c + j];
+    sums[c] = sum;
+  }
+  if (offset)
+    for (int64_t k = 0; k < Kp; ++k) dst[k] = uint8_t(dst[k] + offset);
 }
 
 }  // namespace
@@ -165,7 +188,11 @@ void quantize_row(const void* x, int64_t K, DType dtype, int64_t Kp, bool unsign
   }
   static thread_local std::vector<float> buf;
   buf.resize(K);
-  for (int64_t k = 0; k < K; ++k) buf[k] = load_as_f32(x, k, dtype);
+  const uint16_t* h = static_cast<const uint16_t*>(x);
+  if (dtype == DType::kBFloat16)
+    for (int64_t k = 0; k < K; ++k) buf[k] = bf16_to_f32(h[k]);
+  else
+    for (int64_t k = 0; k < K; ++k) buf[k] = f16_to_f32(h[k]);
   write_quantized_row(buf.data(), K, Kp, unsigned_activations, dst);
 }
 

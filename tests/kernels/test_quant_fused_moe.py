@@ -140,3 +140,22 @@ def test_linear(path, fmt, group, sym, dtype, M, K, N):
     layer.bias = torch.nn.Parameter(torch.randn(N, generator=g).to(dtype), requires_grad=False)
     assert layer.path == path
     assert_quant_close(layer(x), reference.quantized_linear(x, qw, layer.bias), dtype, f"{path} {fmt} linear")
+
+
+@pytest.mark.parametrize("path", native_paths_for("int8_w8a8", torch.float32))
+def test_activation_rounding_ties_and_nan(path):
+    """The A8 row quantizer every path shares: ties round to even as torch.round, a row's largest value maps
+    to 127, a zero row to zeros, and a NaN row gives NaN (its scale is NaN), never a crash or a finite lie."""
+    from cpumoe.models.packed_linear import QuantizedLinear
+    K = 40  # not a multiple of 32: the padded tail must not count
+    w = torch.eye(K)
+    qw = quantize(w, "int8_w8a8")  # per-channel scale 1/127 on an identity: exact
+    layer = QuantizedLinear(qw, has_bias=False, dtype=torch.float32, backend=path)
+    x = torch.zeros(3, K)
+    x[0, :6] = torch.tensor([127.0, 0.5, 1.5, -2.5, 2.5, -0.5])
+    x[0, 6:] = torch.arange(K - 6) * 3.5 - 60.0  # x.5 values of both signs: every tie is rounded to even
+    x[2, 3] = float("nan")
+    y = layer(x)
+    assert torch.equal(y[0], x[0].round()), (y[0], x[0].round())
+    assert torch.equal(y[1], torch.zeros(K))
+    assert torch.isnan(y[2]).all()

@@ -21,11 +21,12 @@ namespace {
 constexpr int kStreamRows = 2;
 constexpr int kPrefetchBytes = 4096;
 
+// Streaming tiles prefetch `lines` lines at p + ahead into L2.
 template <int R>
-inline void prefetch_lines(const void* p, int lines) {
+inline void prefetch_lines(const void* p, int lines, int64_t ahead = kPrefetchBytes) {
   if constexpr (R <= kStreamRows)
     for (int l = 0; l < lines; ++l)
-      _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes + 64 * l, _MM_HINT_T1);
+      _mm_prefetch(static_cast<const char*>(p) + ahead + 64 * l, _MM_HINT_T1);
 }
 
 template <int R>
@@ -81,6 +82,8 @@ struct Int4Dot {
       for (int c = 0; c < 4; ++c) tot[r][c] = _mm512_setzero_ps();
     }
     for (int64_t k0 = 0; k0 < Kp; k0 += g) {
+      // The next group's scales and zeros lie past the codes, off the stream the prefetch above follows.
+      if (k0 + g < Kp) prefetch_lines<R>(meta + 128 * ((k0 + g) / g), 8, 0);
       __m512i acc[R][4];
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
