@@ -94,6 +94,13 @@ def linear_quant(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tenso
                                          out_features=out_features)
 
 
+def route(router_logits: torch.Tensor, top_k: int, *, scoring: str, renormalize: bool,
+          bias: torch.Tensor | None = None, routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing without expert groups in one call: (weights float32 [M, k], ids int32 [M, k]).
+    cpumoe.routing.select_experts documents the maths and calls this when it applies."""
+    return torch.ops.cpumoe.route(router_logits, top_k, scoring, renormalize, bias, routed_scaling_factor)
+
+
 def cpu_features() -> list[str]:
     return list(_C.cpu_features())
 
@@ -144,3 +151,9 @@ def _fused_experts_quant_fake(hidden_states, w13, w2, topk_weights, topk_ids, *,
 @torch.library.register_fake("cpumoe::linear_quant")
 def _linear_quant_fake(x, w, bias, *, path, format, group_size, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.register_fake("cpumoe::route")
+def _route_fake(router_logits, top_k, scoring, renormalize, bias, routed_scaling_factor):
+    shape = (router_logits.shape[0], top_k)
+    return router_logits.new_empty(shape, dtype=torch.float32), router_logits.new_empty(shape, dtype=torch.int32)

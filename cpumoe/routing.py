@@ -3,15 +3,22 @@
 #   router_logits [M, E] -> scores (softmax | sigmoid, fp32) -> [group mask] -> top-k -> [renormalize] -> * scale
 #                        -> topk_weights fp32 [M, k], topk_ids int32 [M, k]
 #
+# Without expert groups the whole pipeline is one C++ op (ops.route); the grouped modes run in torch
+# (select_in_torch, also the op's reference in tests/routing).
+#
 # Conventions: M tokens, E experts, k = top_k; all maths in float32 whatever the logits' dtype; outputs are
-# contiguous; ties are broken by torch.topk (sorted=True), so each row is ordered by descending selection score.
+# contiguous; each row is ordered by descending selection score. Exact ties go to the lower expert id in the
+# op and as torch.topk (sorted=True) orders them in the torch path.
 # Checked against the routers of transformers' Qwen3-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V2/V3 and Llama-4
 # (tests/routing/test_routing.py).
 from collections.abc import Callable
 
 import torch
 
+from cpumoe import ops
+
 SCORINGS = ("softmax", "sigmoid")
+_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the C++ routing op reads
 
 CustomRouting = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
 
@@ -59,19 +66,34 @@ def select_experts(
                 f"got {list(weights.shape)} and {list(ids.shape)}"
             )
         weights = weights.float()
+    elif num_expert_group is None and router_logits.is_contiguous() and router_logits.dtype in _OP_DTYPES:
+        # One C++ pass per token (csrc/core/routing.h): at decode this call is a visible share of a layer.
+        bias = None if e_score_correction_bias is None else e_score_correction_bias.float().contiguous()
+        return ops.route(router_logits, top_k, scoring=scoring, renormalize=renormalize, bias=bias,
+                         routed_scaling_factor=routed_scaling_factor)
     else:
-        logits = router_logits.float()  # [M, E]
-        scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()  # [M, E]
-        choice = logits if e_score_correction_bias is None else scores + e_score_correction_bias.float()  # [M, E]
-        if num_expert_group is not None:
-            choice = _mask_groups(choice, num_expert_group, topk_group, two_best=e_score_correction_bias is not None)
-        ids = torch.topk(choice, top_k, dim=-1, sorted=True).indices  # [M, k]
-        weights = scores.gather(1, ids)  # [M, k]
-        if renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights, ids = select_in_torch(router_logits, top_k, scoring, renormalize, num_expert_group, topk_group,
+                                       e_score_correction_bias)
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
     return weights.contiguous(), ids.to(torch.int32).contiguous()
+
+
+def select_in_torch(router_logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool,
+                    num_expert_group: int | None, topk_group: int | None,
+                    e_score_correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts' maths in torch ops, before scaling (weights float32, ids int64): the grouped modes run
+    here, and it is the reference the C++ routing op is tested against."""
+    logits = router_logits.float()  # [M, E]
+    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()  # [M, E]
+    choice = logits if e_score_correction_bias is None else scores + e_score_correction_bias.float()  # [M, E]
+    if num_expert_group is not None:
+        choice = _mask_groups(choice, num_expert_group, topk_group, two_best=e_score_correction_bias is not None)
+    ids = torch.topk(choice, top_k, dim=-1, sorted=True).indices  # [M, k]
+    weights = scores.gather(1, ids)  # [M, k]
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights, ids
 
 
 def _mask_groups(choice: torch.Tensor, num_groups: int, topk_group: int, two_best: bool) -> torch.Tensor:

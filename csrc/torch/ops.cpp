@@ -12,6 +12,7 @@
 #include "../core/linear.h"
 #include "../core/membw.h"
 #include "../core/memory.h"
+#include "../core/routing.h"
 #include "../core/pack.h"
 #include "../core/quant_pack.h"
 
@@ -351,9 +352,41 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::option
   return run_linear(a, x, w, bias, out_features);
 }
 
+// Router logits [M, E] -> (weights float32 [M, k], ids int32 [M, k]); see routing.h.
+std::tuple<at::Tensor, at::Tensor> route_op(const at::Tensor& logits, int64_t top_k, std::string_view scoring,
+                                            bool renormalize, const std::optional<at::Tensor>& bias,
+                                            double routed_scaling_factor) {
+  check_dense(logits, "router_logits", 2);
+  RoutingArgs a;
+  a.dtype = to_dtype(logits, "router_logits");
+  a.M = logits.size(0), a.E = logits.size(1), a.top_k = top_k;
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= a.E, "top_k must be in [1, E=", a.E, "], got ", top_k);
+  TORCH_CHECK_VALUE(scoring == "softmax" || scoring == "sigmoid", "unknown scoring '", std::string(scoring),
+                    "', expected softmax or sigmoid");
+  a.sigmoid = scoring == "sigmoid";
+  a.renormalize = renormalize;
+  if (bias) {
+    check_dense(*bias, "e_score_correction_bias", 1);
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->size(0) == a.E,
+                      "e_score_correction_bias must be float32 [E=", a.E, "], got ", bias->scalar_type(), " ",
+                      bias->sizes());
+    a.bias = bias->data_ptr<float>();
+  }
+  a.scale = float(routed_scaling_factor);
+  at::Tensor weights = at::empty({a.M, top_k}, logits.options().dtype(at::kFloat));
+  at::Tensor ids = at::empty({a.M, top_k}, logits.options().dtype(at::kInt));
+  a.logits = logits.data_ptr();
+  a.weights = weights.data_ptr<float>();
+  a.ids = ids.data_ptr<int32_t>();
+  route(a, torch_parallel());
+  return {weights, ids};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cpumoe, m) {
+  m.def("route(Tensor router_logits, int top_k, str scoring, bool renormalize, Tensor? bias, "
+        "float routed_scaling_factor) -> (Tensor, Tensor)");
   m.def("pack_w13(Tensor w13, str path) -> Tensor");
   m.def("pack_w2(Tensor w2, str path) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor? bias, *, str path, int out_features) -> Tensor");
@@ -378,6 +411,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("pack_quant", &pack_quant_op);
   m.impl("fused_experts_quant", &fused_experts_quant);
   m.impl("linear_quant", &linear_quant);
+  m.impl("route", &route_op);
 }
 
 }  // namespace cpumoe
