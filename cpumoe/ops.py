@@ -101,6 +101,11 @@ def route(router_logits: torch.Tensor, top_k: int, *, scoring: str, renormalize:
     return torch.ops.cpumoe.route(router_logits, top_k, scoring, renormalize, bias, routed_scaling_factor)
 
 
+def release_free_memory() -> bool:
+    """Return the C allocator's free memory to the OS (glibc malloc_trim); loaders call it between phases."""
+    return _C.release_free_memory()
+
+
 def cpu_features() -> list[str]:
     return list(_C.cpu_features())
 

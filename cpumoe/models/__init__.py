@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cpumoe import ops
 from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.loader.quantized import QuantizedCheckpoint
 from cpumoe.logs import logger
@@ -74,7 +75,6 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, backend: str 
         model = cls(config, backend=backend)
     quantized = QuantizedCheckpoint(ckpt)
     load_weights(model, ckpt, dtype, quantized if quantized.format is not None else None, backend)
-    pack_linears(model, dtype, backend)
     return model.eval()
 
 
@@ -82,7 +82,8 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, quantiz
                  backend: str = "auto") -> None:
     """Memory: tensors are read with file reads (Checkpoint.read), not memory-mapped, so the checkpoint's pages are
     never resident beside the model; per-expert checkpoints are read and packed one expert at a time (peak: the
-    model + one expert), fused ones ([E, rows, cols] tensors) one layer at a time. A model whose experts need more
+    model + one expert), fused ones ([E, rows, cols] tensors) one layer at a time; the dense projections are packed
+    (pack_linears) before the first expert is read. A model whose experts need more
     than stacking (gpt-oss: transposed, gate/up de-interleaved, MXFP4 dequantized, with biases) defines
     experts_from_checkpoint(ckpt, prefix, block, dtype) -> the block's load_experts arguments, an expert_reader
     among them (one expert at a time)."""
@@ -96,27 +97,39 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, quantiz
         target = torch.float32 if name.endswith(fp32) else dtype
         setattr(module, attr, nn.Parameter(tensor.to(target).contiguous(), requires_grad=False))
         del tensor
+    # Packing a projection holds it twice for a moment (the lm_head can be 10% of a quantized model): done before
+    # any expert is read, that moment adds to the dense weights only. The loop's last module is often the
+    # lm_head, so drop the names first; then hand the freed buffers back, or the experts' packed stacks settle
+    # around them and the loaded model stays ~10% larger than its weights.
+    module = param = None
+    pack_linears(model, dtype, backend)
+    ops.release_free_memory()
     specs = model.expert_weights
     experts_from_checkpoint = getattr(model, "experts_from_checkpoint", None)
     for prefix, block in model.named_modules():
-        if not isinstance(block, MoEBlock):
-            continue
-        if experts_from_checkpoint is not None:
-            block.load_experts(**experts_from_checkpoint(ckpt, prefix, block, dtype))
-            continue
-        if quantized is not None and _load_quantized_experts(block, prefix, specs, quantized, dtype):
-            continue
-        shapes = block.expert_shapes
-        if any(spec.fused is not None and f"{prefix}.{spec.fused}" in ckpt for spec in specs.values()):
-            block.load_experts(**{key: _read(ckpt, f"{prefix}.{spec.fused}", shapes[key]).to(dtype).contiguous()
-                                  for key, spec in specs.items()})
-            continue
+        if isinstance(block, MoEBlock):
+            _load_block_experts(model, block, prefix, ckpt, specs, quantized, dtype, experts_from_checkpoint)
+            ops.release_free_memory()  # the layer's transient buffers, before the next layer's stacks settle
 
-        def read_expert(e: int, prefix=prefix, shapes=shapes) -> tuple[torch.Tensor, torch.Tensor]:
-            return tuple(_read_expert(ckpt, prefix, specs[key], shapes[key][1:], dtype, e) for key in ("w13", "w2"))
 
-        meta = {key: torch.empty(shapes[key], dtype=dtype, device="meta") for key in ("w13", "w2")}
-        block.load_experts(meta["w13"], meta["w2"], expert_reader=read_expert)
+def _load_block_experts(model: nn.Module, block: MoEBlock, prefix: str, ckpt: Checkpoint, specs: dict,
+                        quantized: QuantizedCheckpoint | None, dtype: torch.dtype, experts_from_checkpoint) -> None:
+    if experts_from_checkpoint is not None:
+        block.load_experts(**experts_from_checkpoint(ckpt, prefix, block, dtype))
+        return
+    if quantized is not None and _load_quantized_experts(block, prefix, specs, quantized, dtype):
+        return
+    shapes = block.expert_shapes
+    if any(spec.fused is not None and f"{prefix}.{spec.fused}" in ckpt for spec in specs.values()):
+        block.load_experts(**{key: _read(ckpt, f"{prefix}.{spec.fused}", shapes[key]).to(dtype).contiguous()
+                              for key, spec in specs.items()})
+        return
+
+    def read_expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(_read_expert(ckpt, prefix, specs[key], shapes[key][1:], dtype, e) for key in ("w13", "w2"))
+
+    meta = {key: torch.empty(shapes[key], dtype=dtype, device="meta") for key in ("w13", "w2")}
+    block.load_experts(meta["w13"], meta["w2"], expert_reader=read_expert)
 
 
 def _quantized_linears(model: nn.Module, quantized: QuantizedCheckpoint, dtype: torch.dtype, backend: str) -> None:
@@ -150,6 +163,9 @@ def _read_dense(ckpt: Checkpoint, quantized: QuantizedCheckpoint | None, name: s
     return _read(ckpt, name, shape)
 
 
+_RELEASE_EVERY_EXPERTS = 16
+
+
 def _load_quantized_experts(block: MoEBlock, prefix: str, specs: dict[str, ExpertWeights],
                             quantized: QuantizedCheckpoint, dtype: torch.dtype) -> bool:
     """Hands the block its experts as QuantizedWeights read one expert at a time; False when this checkpoint
@@ -174,6 +190,11 @@ def _load_quantized_experts(block: MoEBlock, prefix: str, specs: dict[str, Exper
                               f"do not fit {list(shapes['w13'][1:])} and {list(shapes['w2'][1:])}")
 
     def read_expert(e: int) -> tuple[QuantizedWeight, QuantizedWeight]:
+        # Unpacking an expert's codes takes several times its packed bytes in short-lived buffers; handing
+        # them back every few experts keeps them from piling up over a layer (~10% of an int4 model). Not
+        # every expert: each release costs tens of ms.
+        if e % _RELEASE_EVERY_EXPERTS == 0:
+            ops.release_free_memory()
         return read("w13", e), read("w2", e)
 
     block.load_experts(first13.meta_stack(block.num_experts), first2.meta_stack(block.num_experts),

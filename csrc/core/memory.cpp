@@ -5,6 +5,9 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 namespace cpumoe {
 
@@ -17,6 +20,14 @@ bool advise_huge_pages(void* p, size_t bytes) {
 #else
   (void)p;
   (void)bytes;
+  return false;
+#endif
+}
+
+bool release_free_memory() {
+#if defined(__GLIBC__)
+  return malloc_trim(0) != 0;
+#else
   return false;
 #endif
 }

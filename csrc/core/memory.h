@@ -11,4 +11,9 @@ constexpr size_t kHugePageBytes = size_t(2) << 20;
 // first write (pages are chosen at first touch). Returns false where the OS does not take the advice.
 bool advise_huge_pages(void* p, size_t bytes);
 
+// Hands the allocator's free memory back to the OS (glibc's malloc_trim). A loader calls it after a phase that
+// freed many transient buffers: later allocations otherwise land beside those holes and the resident size of a
+// loaded model grows past its weights. Returns false where nothing was released or the C library has no trim.
+bool release_free_memory();
+
 }  // namespace cpumoe

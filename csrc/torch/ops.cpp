@@ -454,6 +454,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("bytes", &cpumoe::ReadBandwidthProbe::bytes);
   m.def("advise_huge_pages", [](const at::Tensor& t) { return cpumoe::advise_huge_pages(t.data_ptr(), t.nbytes()); },
         "Ask for 2 MB pages over a tensor's storage; call before writing it");
+  m.def("release_free_memory", &cpumoe::release_free_memory,
+        "Return the allocator's free memory to the OS (malloc_trim); false if nothing was released");
   m.def("measure_read_bandwidth", [](int64_t bytes, int repetitions) {
     auto r = cpumoe::measure_read_bandwidth(bytes, repetitions, cpumoe::torch_parallel());
     return std::make_tuple(r.best_gbps, r.median_gbps);

@@ -6,6 +6,7 @@ is merged by the linker across units: one ISA's dispatch table then serves anoth
 grid tests cannot see it (every path is bit-identical to the generic one). No such symbol may exist.
 """
 
+import platform
 import shutil
 import subprocess
 
@@ -22,3 +23,25 @@ def test_no_unnamed_namespace_symbol_is_shared_between_units():
         if "_GLOBAL__N" in line and len(line.split()) == 3 and line.split()[1] in ("W", "V", "u", "w", "v")
     ]
     assert not shared, "symbols from unnamed namespaces merged across units:\n" + "\n".join(shared[:10])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_release_free_memory_hands_a_freed_buffer_back():
+    """The loader's malloc_trim between phases: a freed heap buffer leaves the resident set."""
+    import torch
+
+    from cpumoe import ops
+
+    def rss_kb():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+    ops.release_free_memory()
+    # Many 64 KB buffers: below glibc's mmap threshold, so they live on the heap and stay resident once freed.
+    buffers = [torch.ones(1 << 14) for _ in range(1600)]  # ~100 MB
+    keep = torch.ones(16)  # allocated after them: the heap cannot simply shrink from its top
+    del buffers
+    before = rss_kb()
+    assert isinstance(ops.release_free_memory(), bool)
+    assert rss_kb() < before - 50_000, "malloc_trim returned less than half of 100 MB of freed heap"
+    del keep
