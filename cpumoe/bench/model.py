@@ -411,16 +411,17 @@ def format_comparison(results: Sequence[dict], weights: Sequence[WeightBytes]) -
 
 def render_formats_report(report: dict, console: Console) -> None:
     console.print(f"CPU {report['cpu']}  threads {report['threads']}  KV cache {report['kv_cache_gb']:.2f} GB each")
-    models = Table(title="checkpoints (loaded together; memory is each one's growth while it loads)",
-                   title_justify="left")
+    models = Table(title="checkpoints (loaded together; memory is each one's growth while it loads, and its peak "
+                         "over the start of its load)", title_justify="left")
     for name in ("#", "weights", "experts path", "checkpoint GB", "dense GB", "expert MB", "loaded GB",
-                 "x checkpoint"):
+                 "x checkpoint", "load peak GB", "peak x ckpt"):
         models.add_column(name, justify="right", no_wrap=True)
     for i, m in enumerate(report["models"]):
         w = m["weights"]
         models.add_row(str(i), m["weights_format"], m["experts_path"], f"{m['checkpoint_gb']:.2f}",
                        f"{w['dense'] / 1e9:.2f}", f"{w['expert'] / 1e6:.2f}", f"{m['load_rss_gb']:.2f}",
-                       f"{m['load_rss_gb'] / m['checkpoint_gb']:.2f}x")
+                       f"{m['load_rss_gb'] / m['checkpoint_gb']:.2f}x", f"{m['load_peak_over_start_gb']:.2f}",
+                       f"{m['load_peak_over_start_gb'] / m['checkpoint_gb']:.2f}x")
     console.print(models)
     table = Table(title="side by side (each case on each checkpoint in turn, every repetition)", title_justify="left")
     for name in ("batch", "in", "out", "weights", "TTFT ms", "ITL ms", "decode tok/s", "decode GB/s", "% bw",
