@@ -42,6 +42,7 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -
         probs = sorted_x.masked_fill(remove, float("-inf")).softmax(dim=-1)     # [R, V]
         mass_before = probs.cumsum(dim=-1) - probs                               # [R, V], 0 for the top token
         remove |= mass_before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+        remove[:, 0] = False  # a top_p that rounds to 0 in float32 would otherwise remove every token (NaN)
     remove = torch.zeros_like(remove).scatter_(-1, sorted_ids, remove)           # back to vocabulary order
     return x.masked_fill(remove, float("-inf"))
 

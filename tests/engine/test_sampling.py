@@ -56,6 +56,15 @@ def test_small_top_p_keeps_only_the_top_token():
         assert sample(logits, params).tolist() == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-45])
+def test_top_p_below_float32_keeps_the_top_token(top_p):
+    """A top_p that rounds to 0 in float32 must still keep the most likely token: it once removed every token, the
+    softmax gave NaN and the whole batch's step failed."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=1.0, top_p=top_p, seed=i) for i in range(2)] + [SamplingParams(temperature=1.0)]
+    assert sample(logits, params)[:2].tolist() == logits[:2].argmax(dim=-1).tolist()
+
+
 def chi_square(counts: list[int], probs: torch.Tensor) -> float:
     n = sum(counts)
     expected = probs * n
