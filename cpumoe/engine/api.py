@@ -37,6 +37,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str                     # detokenized text completed by this step (never a split UTF-8 character)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" (eos, stop token or stop string) | "length" | "abort"
+    finish_reason: str | None = None  # "stop" (eos, stop token or stop string) | "length" | "abort" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0        # so far
+    error: str | None = None          # with finish_reason "error": why this request alone failed

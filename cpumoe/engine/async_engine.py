@@ -141,4 +141,5 @@ class AsyncEngine:
                             hook(out.request_id, out.completion_tokens == 1, t)
                         except Exception:
                             log.exception("on_token hook failed")
-                self._deliver(out.request_id, out)
+                # a request that failed alone (its sampling or detokenization) ends as a failed step would
+                self._deliver(out.request_id, RuntimeError(out.error) if out.error else out)

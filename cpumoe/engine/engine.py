@@ -20,7 +20,7 @@ from cpumoe.engine.config import EngineConfig
 from cpumoe.engine.detokenize import IncrementalDetokenizer
 from cpumoe.engine.kv_cache import KVCache, KVCacheLayout
 from cpumoe.engine.runner import ModelRunner
-from cpumoe.engine.sampling import make_generator
+from cpumoe.engine.sampling import FAILED, make_generator
 from cpumoe.engine.scheduler import ScheduledBatch, Scheduler, Sequence
 from cpumoe.models import load_model
 
@@ -138,9 +138,17 @@ class LLMEngine:
             if not samples:
                 continue
             token = next(sampled)
+            if token == FAILED:
+                outputs.append(self._fail(seq, "sampling failed: the model's logits hold NaN or leave no token"))
+                continue
             seq.token_ids.append(token)
             self.num_tokens_generated += 1
-            text, hit_stop = seq.detokenizer.add(token) if seq.detokenizer is not None else ("", False)
+            try:
+                text, hit_stop = seq.detokenizer.add(token) if seq.detokenizer is not None else ("", False)
+            except Exception as e:  # noqa: BLE001  (this request's tokenizer state; the batch goes on)
+                log.exception("detokenizing request %s failed", seq.request_id)
+                outputs.append(self._fail(seq, f"detokenization failed: {e}"))
+                continue
             p = seq.params
             reason = None
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids or hit_stop:
@@ -155,6 +163,14 @@ class LLMEngine:
             seq.output_text += text
             outputs.append(self._output(seq, [token], text, finished=reason is not None))
         return outputs
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """Ends seq alone with finish_reason "error"; the rest of the batch goes on."""
+        self.scheduler.finish(seq, "error")
+        del self.seqs[seq.request_id]
+        out = self._output(seq, [], "", finished=True)
+        out.error = error
+        return out
 
     @staticmethod
     def _output(seq: Sequence, new_token_ids: list[int], text: str, *, finished: bool) -> RequestOutput:
@@ -189,7 +205,7 @@ class LLMEngine:
                     r = results[out.request_id]
                     r.new_token_ids += out.new_token_ids
                     r.new_text += out.new_text
-                    r.finished, r.finish_reason = out.finished, out.finish_reason
+                    r.finished, r.finish_reason, r.error = out.finished, out.finish_reason, out.error
                     r.prompt_tokens, r.completion_tokens = out.prompt_tokens, out.completion_tokens
         return [results[rid] for rid in ids]
 

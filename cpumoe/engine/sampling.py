@@ -16,6 +16,8 @@ from cpumoe.engine.api import SamplingParams
 # Below this temperature logits / T can overflow float32 and softmax would give NaN; such rows are greedy,
 # which is what the distribution tends to anyway (vLLM draws the same line).
 GREEDY_EPS = 1e-5
+# The id a sampled row gets when its logits give no distribution (NaN, or every token at -inf).
+FAILED = -1
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -52,7 +54,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> torch.LongTensor:
-        """logits: float32 [B, V]; params, generators: B each. Returns the sampled ids, int64 [B]."""
+        """logits: float32 [B, V]; params, generators: B each. Returns the sampled ids, int64 [B]; FAILED for a
+        sampled (non-greedy) row whose logits give no distribution."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         B, V = logits.shape
@@ -60,12 +63,13 @@ class Sampler:
             raise ValueError(f"{B} rows of logits but {len(params)} params and {len(generators)} generators")
         logits = logits.float()
         greedy = [p.temperature < GREEDY_EPS for p in params]
+        nan_rows = torch.isnan(logits).any(dim=-1)           # [B]: no token is "the most likely" there
         if all(greedy):
-            return logits.argmax(dim=-1)                     # [B]; ties -> the first (lowest) id
+            return logits.argmax(dim=-1).masked_fill(nan_rows, FAILED)  # [B]; ties -> the first (lowest) id
         out = torch.empty(B, dtype=torch.long)
         greedy_rows = [i for i in range(B) if greedy[i]]
         if greedy_rows:
-            out[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+            out[greedy_rows] = logits[greedy_rows].argmax(dim=-1).masked_fill(nan_rows[greedy_rows], FAILED)
 
         rows = [i for i in range(B) if not greedy[i]]
         row_params = [params[i] for i in rows]
@@ -73,12 +77,16 @@ class Sampler:
         x = logits[rows] / temperature                                                # [R, V]
         x = _filter_top_k_top_p(x, [p.top_k for p in row_params], [p.top_p for p in row_params])
         probs = x.softmax(dim=-1)                                                     # [R, V]
-
-        shared = [r for r, i in enumerate(rows) if generators[i] is None]
+        # A row whose logits hold NaN or are all -inf has no distribution: it gets FAILED (its request alone
+        # fails) instead of failing the multinomial draw of the whole batch.
+        valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)           # [R]
+        shared = [r for r, i in enumerate(rows) if generators[i] is None and valid[r]]
         if shared:
             drawn = torch.multinomial(probs[shared], 1).squeeze(1)                    # [len(shared)]
             out[[rows[r] for r in shared]] = drawn
         for r, i in enumerate(rows):
-            if generators[i] is not None:
+            if not valid[r]:
+                out[i] = FAILED
+            elif generators[i] is not None:
                 out[i] = torch.multinomial(probs[r], 1, generator=generators[i])[0]
         return out

@@ -109,6 +109,39 @@ def test_abort_frees_all_blocks(hf_pair):
     assert not e.has_unfinished()
 
 
+def test_a_failing_request_fails_alone(synthetic):
+    """One request's detokenizer raising, and another's logits turning NaN, end those two with finish_reason
+    "error" and the reason; the third finishes as it would alone and every KV block comes back."""
+    e = engine(synthetic)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    alone = e.generate(["the same prompt"], params)[0]
+    for rid, prompt in (("bad-detok", "one prompt"), ("bad-logits", "another prompt"), ("good", "the same prompt")):
+        e.add_request(rid, e.encode(prompt), params)
+
+    def broken_add(token):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    e.seqs["bad-detok"].detokenizer.add = broken_add
+    run = e.runner.run
+
+    def nan_for_one(batch):  # the second sampling row gets NaN logits, as a broken model would give
+        tokens = run(batch)
+        ids = [s.request_id for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        return [-1 if rid == "bad-logits" else t for rid, t in zip(ids, tokens)]
+    e.runner.run = nan_for_one
+    finished, good_tokens = {}, []
+    while e.has_unfinished():
+        for out in e.step():
+            if out.request_id == "good":
+                good_tokens += out.new_token_ids
+            if out.finished:
+                finished[out.request_id] = out
+    assert good_tokens == alone.new_token_ids
+    assert finished["bad-detok"].finish_reason == "error" and "detokenization failed" in finished["bad-detok"].error
+    assert finished["bad-logits"].finish_reason == "error" and "sampling failed" in finished["bad-logits"].error
+    assert finished["good"].finish_reason == "length" and finished["good"].error is None
+    assert e.scheduler.block_manager.num_used == 0
+
+
 def test_finish_reasons(hf_pair, reference):
     path = hf_pair[1]
     stop_at = reference[0][4]

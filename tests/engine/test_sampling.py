@@ -146,3 +146,19 @@ def test_bad_batch_shapes():
 def test_sampling_params_validation(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_a_row_without_a_distribution_fails_alone():
+    """NaN logits (greedy or sampled) and a sampled row at all -inf get FAILED; the other rows draw as they would
+    in a batch of their own."""
+    from cpumoe.engine.sampling import FAILED
+    logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(4))
+    logits[0] = float("-inf")
+    logits[1, 5] = float("nan")
+    logits[2, 7] = float("nan")
+    params = [SamplingParams(temperature=1.0, seed=0), SamplingParams(temperature=1.0, top_p=0.9, seed=1),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)]
+    out = sample(logits, params)
+    assert out[:3].tolist() == [FAILED] * 3
+    assert out[3].item() == sample(logits[3:], params[3:])[0].item()
+    assert sample(logits[2:3], params[2:3]).tolist() == [FAILED]  # the all-greedy batch too
