@@ -53,6 +53,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
     def stats(self) -> dict[str, int]:
         return dict(self.engine.stats(), tokens_processed=self.engine.num_tokens_processed,
                     tokens_generated=self.engine.num_tokens_generated)

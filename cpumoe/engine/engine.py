@@ -50,6 +50,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_path)
         mc = self.model.config
         self.dtype = self.model.model.embed_tokens.weight.dtype
+        # The ids the model can embed; a tokenizer may know more (added tokens past the embedding's rows).
+        self.vocab_size = self.model.model.embed_tokens.weight.shape[0]
 
         hf_config = json.loads((self.model_path / "config.json").read_text())
         self.eos_token_ids = _ids(hf_config.get("eos_token_id"))
@@ -92,6 +94,10 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} already exists")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}) (the model's vocabulary); "
+                             f"got {bad[:5]}")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}"
                              " (prompt + at least one generated token)")

@@ -86,7 +86,8 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
     def completion_prompt(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(engine.tokenizer.encode(prompt))
-        vocab = len(engine.tokenizer)
+        # ids both the tokenizer and the model's embedding know (a tokenizer may be larger than the model)
+        vocab = min(len(engine.tokenizer), getattr(engine, "vocab_size", len(engine.tokenizer)))
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")

@@ -142,6 +142,15 @@ def test_a_failing_request_fails_alone(synthetic):
     assert e.scheduler.block_manager.num_used == 0
 
 
+def test_prompt_ids_outside_the_models_vocabulary_are_refused(synthetic):
+    e = engine(synthetic)
+    with pytest.raises(ValueError, match=r"must be in \[0, 300\)"):
+        e.add_request("x", [1, 300], SamplingParams())
+    with pytest.raises(ValueError, match="must be in"):
+        e.add_request("y", [-1], SamplingParams())
+    assert not e.has_unfinished()
+
+
 def test_finish_reasons(hf_pair, reference):
     path = hf_pair[1]
     stop_at = reference[0][4]

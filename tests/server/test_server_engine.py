@@ -88,3 +88,12 @@ def test_a_top_p_below_float32_neither_fails_its_request_nor_the_others(client):
         t.join(120)
     assert not errors, errors
     assert results == {i: 4 for i in range(4)}, results
+
+
+def test_token_ids_the_tokenizer_knows_but_the_model_cannot_embed_are_a_400(client, engine, monkeypatch):
+    """A tokenizer larger than the model's vocab_size: ids past the embedding are refused before anything runs."""
+    monkeypatch.setattr(engine.engine, "vocab_size", len(engine.tokenizer) - 10)  # as if the tokenizer had 10 more
+    with pytest.raises(openai.BadRequestError, match="prompt token ids must be in"):
+        client.completions.create(model=MODEL, prompt=[1, len(engine.tokenizer) - 5], max_tokens=2)
+    ok = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens == 2
