@@ -28,13 +28,29 @@ class ErrorResponse(BaseModel):
 
 # ---- requests ---------------------------------------------------------------------------------------------------
 
+# Strict: a JSON string or boolean where a number is wanted (and the reverse) is a 400, never coerced.
+_STRICT = ConfigDict(extra="ignore", strict=True)
+MAX_STOP_STRINGS = 4          # as OpenAI's API
+MAX_STOP_CHARS = 1024         # each: a stop string is matched against the text after every token
+
+
+def _utf8(text: str, what: str) -> str:
+    """A str that cannot be UTF-8 (a lone surrogate from a JSON escape) is refused before any tokenizer sees it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode ({e.reason} at character {e.start})") from None
+    return text
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """What completions and chat share: the model and the sampling parameters."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str
     max_tokens: int | None = Field(None, gt=0)
@@ -42,7 +58,7 @@ class SamplingRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)           # extension; 0 or -1: off
     ignore_eos: bool = False                         # extension (benchmarks): always produce max_tokens
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -54,6 +70,18 @@ class SamplingRequest(BaseModel):
         if n != 1:
             raise ValueError(f"only n=1 is supported, got {n}")
         return n
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        for text in stops:
+            if len(text) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {len(text)}")
+            _utf8(text, "a stop string")
+        return stop
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -70,6 +98,11 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
     logprobs: int | None = None
     echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, prompt: str | list[int]) -> str | list[int]:
+        return _utf8(prompt, "the prompt") if isinstance(prompt, str) else prompt
 
     @field_validator("best_of")
     @classmethod
@@ -94,13 +127,25 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _valid_text(cls, text: str) -> str:
+        return _utf8(text, "a message")
+
 
 class ChatMessage(BaseModel):
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+
+    @field_validator("content")
+    @classmethod
+    def _valid_content(cls, content: str | list[TextPart]) -> str | list[TextPart]:
+        return _utf8(content, "a message") if isinstance(content, str) else content
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

@@ -37,11 +37,14 @@ def test_release_free_memory_hands_a_freed_buffer_back():
             return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
 
     ops.release_free_memory()
-    # Many 64 KB buffers: below glibc's mmap threshold, so they live on the heap and stay resident once freed.
-    buffers = [torch.ones(1 << 14) for _ in range(1600)]  # ~100 MB
-    keep = torch.ones(16)  # allocated after them: the heap cannot simply shrink from its top
+    # 64 KB buffers (below glibc's mmap threshold, so on the heap), each followed by a small live one: once freed
+    # they are holes free() cannot give back, whatever the heap held before; only a trim can.
+    buffers, pins = [], []
+    for _ in range(1600):  # ~100 MB
+        buffers.append(torch.ones(1 << 14))
+        pins.append(torch.ones(16))
     del buffers
     before = rss_kb()
     assert isinstance(ops.release_free_memory(), bool)
     assert rss_kb() < before - 50_000, "malloc_trim returned less than half of 100 MB of freed heap"
-    del keep
+    del pins

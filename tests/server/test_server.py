@@ -291,6 +291,21 @@ BAD_REQUESTS = {
     "n-two": ("/v1/completions", {**COMPLETION, "n": 2}, 400, "n"),
     "n-two-chat": ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n"),
     "stop-wrong-type": ("/v1/completions", {**COMPLETION, "stop": 3}, 400, None),
+    "stream-string": ("/v1/completions", {**COMPLETION, "stream": "yes"}, 400, "stream"),
+    "max-tokens-bool": ("/v1/completions", {**COMPLETION, "max_tokens": True}, 400, "max_tokens"),
+    "temperature-string": ("/v1/chat/completions", {**CHAT, "temperature": "0.5"}, 400, "temperature"),
+    "prompt-bool-ids": ("/v1/completions", {**COMPLETION, "prompt": [True]}, 400, None),
+    "seed-too-large": ("/v1/completions", {**COMPLETION, "seed": 2**64}, 400, "seed"),
+    "seed-too-small": ("/v1/chat/completions", {**CHAT, "seed": -(2**63) - 1}, 400, "seed"),
+    "five-stops": ("/v1/completions", {**COMPLETION, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    "long-stop": ("/v1/chat/completions", {**CHAT, "stop": "x" * 1025}, 400, "stop"),
+    # JSON's \uXXXX escapes can name a lone surrogate, which no UTF-8 text holds (json.dumps writes the escape)
+    "lone-surrogate-prompt": ("/v1/completions", json.dumps({**COMPLETION, "prompt": "Hi \ud800"}).encode(), 400,
+                              "prompt"),
+    "lone-surrogate-chat": ("/v1/chat/completions",
+                            json.dumps({**CHAT, "messages": [{"role": "user", "content": "\udfff"}]}).encode(), 400,
+                            None),
+    "lone-surrogate-stop": ("/v1/completions", json.dumps({**COMPLETION, "stop": ["\ud800"]}).encode(), 400, "stop"),
     "unknown-route": ("/v1/embeddings", COMPLETION, 404, None),
 }
 
