@@ -16,7 +16,7 @@ from cpumoe.engine.api import SamplingParams
 # Below this temperature logits / T can overflow float32 and softmax would give NaN; such rows are greedy,
 # which is what the distribution tends to anyway (vLLM draws the same line).
 GREEDY_EPS = 1e-5
-# The id a sampled row gets when its logits give no distribution (NaN, or every token at -inf).
+# The id a row gets when its logits give no distribution (NaN, or every token at -inf).
 FAILED = -1
 
 
@@ -55,7 +55,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> torch.LongTensor:
         """logits: float32 [B, V]; params, generators: B each. Returns the sampled ids, int64 [B]; FAILED for a
-        sampled (non-greedy) row whose logits give no distribution."""
+        row whose logits hold NaN, or (sampled rows) leave no token with any probability."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         B, V = logits.shape

@@ -108,11 +108,11 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, quantiz
     experts_from_checkpoint = getattr(model, "experts_from_checkpoint", None)
     for prefix, block in model.named_modules():
         if isinstance(block, MoEBlock):
-            _load_block_experts(model, block, prefix, ckpt, specs, quantized, dtype, experts_from_checkpoint)
+            _load_block_experts(block, prefix, ckpt, specs, quantized, dtype, experts_from_checkpoint)
             ops.release_free_memory()  # the layer's transient buffers, before the next layer's stacks settle
 
 
-def _load_block_experts(model: nn.Module, block: MoEBlock, prefix: str, ckpt: Checkpoint, specs: dict,
+def _load_block_experts(block: MoEBlock, prefix: str, ckpt: Checkpoint, specs: dict,
                         quantized: QuantizedCheckpoint | None, dtype: torch.dtype, experts_from_checkpoint) -> None:
     if experts_from_checkpoint is not None:
         block.load_experts(**experts_from_checkpoint(ckpt, prefix, block, dtype))
@@ -192,7 +192,7 @@ def _load_quantized_experts(block: MoEBlock, prefix: str, specs: dict[str, Exper
     def read_expert(e: int) -> tuple[QuantizedWeight, QuantizedWeight]:
         # Unpacking an expert's codes takes several times its packed bytes in short-lived buffers; handing
         # them back every few experts keeps them from piling up over a layer (~10% of an int4 model). Not
-        # every expert: each release costs tens of ms.
+        # every expert: a release costs a few ms, and memory it hands back must be faulted in again.
         if e % _RELEASE_EVERY_EXPERTS == 0:
             ops.release_free_memory()
         return read("w13", e), read("w2", e)
