@@ -38,7 +38,7 @@ class FusedMoE(nn.Module):
                  quant: str | QuantFormat | None = None, group_size: int | None = None,
                  dtype: torch.dtype | None = None):
         """quant/group_size: quantize w13/w2 to that format now. dtype: the activations' dtype of a quantized
-        layer (default: the float weights' dtype for int8/int4, bfloat16 for fp8/mxfp4, which take only that)."""
+        layer (default: the float weights' dtype for int8/int4/mxfp4, bfloat16 for fp8, which takes only that)."""
         super().__init__()
         quantized = isinstance(w13, QuantizedWeight)
         if quant is not None and not quantized:  # quantize the float weights now, as cpumoe.quant.quantize does
@@ -97,7 +97,7 @@ class FusedMoE(nn.Module):
                        expert_reader: QuantExpertReader | None = None, **kwargs) -> FusedMoE:
         """A layer over already-quantized weights, as a checkpoint loader has them: w13 [E, 2I, H] and w2 [E, H, I]
         QuantizedWeight stacks, or (w13=w2=None) num_local_experts and expert_reader(e) -> (w13_e, w2_e), read
-        and packed one expert at a time. dtype: of the activations (the A16 formats take bfloat16)."""
+        and packed one expert at a time. dtype: of the activations (fp8, an A16 format, takes bfloat16)."""
         if w13 is None or w2 is None:
             if expert_reader is None or not num_local_experts:
                 raise ValueError("from_quantized needs w13 and w2, or num_local_experts and an expert_reader")

@@ -73,10 +73,10 @@ def quantized_fused_experts(hidden_states: torch.Tensor, w13, w2, topk_weights: 
                             apply_router_weight_on_input: bool = False) -> torch.Tensor:
     """fused_experts over quantized weights (cpumoe.quant.QuantizedWeight stacks w13 [E, 2I, H], w2 [E, H, I]).
 
-    Weights are dequantized to float32. int8_w8a8 and int4_w4a16 (A8) also quantize the activations as the
-    kernels do: each token's input row per token before w13, each (token, slot) intermediate row (kept in
-    float32) before w2, with cpumoe.quant.quantize_activations. fp8 and mxfp4 (A16) keep bf16 activations and
-    round the intermediate to bf16, like the unquantized kernels."""
+    Weights are dequantized to float32. int8_w8a8, int4_w4a16 and mxfp4_w4a16 (A8) also quantize the
+    activations as the kernels do: each token's input row per token before w13, each (token, slot)
+    intermediate row (kept in float32) before w2, with cpumoe.quant.quantize_activations. fp8 (A16) keeps
+    bf16 activations and rounds the intermediate to bf16, like the unquantized kernels."""
     from cpumoe.quant import dequantize, quantize_activations  # reference -> quant: quant imports no reference
 
     dtype = hidden_states.dtype

@@ -31,8 +31,8 @@ class QuantFormat(str, Enum):
 
     @property
     def int8_activations(self) -> bool:
-        """Activations are quantized to int8 per token before each GEMM (int4 computes as W4A8)."""
-        return self in (QuantFormat.INT8_W8A8, QuantFormat.INT4_W4A16)
+        """Activations are quantized to int8 per token before each GEMM (int4 and mxfp4 compute as W4A8)."""
+        return self is not QuantFormat.FP8_W8A16
 
     @property
     def bits(self) -> int:

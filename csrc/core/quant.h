@@ -6,11 +6,12 @@
 //   int8_w8a8     int8 w, symmetric, f32 scale per row                int8/token   int32 dot, f32 rescale
 //   int4_w4a16    4-bit code q in [0,15], (q - z) * s per group of g  int8/token   int8 dot per group (W4A8)
 //   fp8_w8a16     float8 e4m3 w, f32 scale per (row, k-chunk of g)    bf16         bf16 dot per chunk
-//   mxfp4_w4a16   e2m1 code, scale 2^(e-127) per 32 along k           bf16         bf16 dot per 32
+//   mxfp4_w4a16   e2m1 code, scale 2^(e-127) per 32 along k           int8/token   int8 dot per 32 (W4A8)
 //
-// int4_w4a16 computes as W4A8: activations are quantized per token to int8 like int8_w8a8's, because the
-// int8 dot products (VNNI, SDOT, SMMLA) do 4-8 multiply-adds per lane where bf16 ones do 2; the reference
-// (cpumoe/reference.py) quantizes activations the same way, so the maths checked is the maths run.
+// int4_w4a16 and mxfp4_w4a16 compute as W4A8: activations are quantized per token to int8 like int8_w8a8's,
+// because the int8 dot products (VNNI, SDOT, SMMLA) do 4-8 multiply-adds per lane where bf16 ones do 2; the
+// reference (cpumoe/reference.py) quantizes activations the same way, so the maths checked is the maths run.
+// An e2m1 value times 2 is an integer in [-12, 12] (kMxfp4Twice), so an mxfp4 group's dot is exact in int32.
 //
 // Common to every format:
 //   * Blocks of kBlockCols = 64 output columns, as the dense layouts: w13 block b holds gate rows
@@ -40,25 +41,29 @@
 //               then f32 scale[ceil(Kp/g)][64]: scale of (column n, k-chunk k/g)             +256*ceil(Kp/g)
 //               value = e4m3_to_float(w) * scale; g is the checkpoint's k block (128), even.
 //
-//   mxfp4_w4a16 [Kp/2][64] bytes: byte k/2*64 + n = q[n][k] | q[n][k+1] << 4 (k even)      32*Kp bytes
-//               then u8 scale[Kp/32][64] (e8m0)                                             +2*Kp bytes
-//               value = kE2m1[q] * 2^(scale - 127); kE2m1 = 0, .5, 1, 1.5, 2, 3, 4, 6, then negated.
+//   mxfp4_w4a16 the e2m1 codes q in int4_w4a16's nibble order (above)                       32*Kp bytes
+//               then u8 scale[Kp/32][64] (e8m0): byte 64 G + n is column n's exponent for k-group G
+//                                                                                           +2*Kp bytes
+//               value = kE2m1[q] * 2^(scale - 127) = kMxfp4Twice[q] * 2^(scale - 128); scale 0 reads
+//               as a zero group. kE2m1 = 0, .5, 1, 1.5, 2, 3, 4, 6, then negated.
 //
 // Activations, as the driver hands them to a tile (GemmTile::a_rows[r] points at a row):
-//   A8 formats (int8_w8a8, int4_w4a16): a quantized row of kQuantRowStride(Kp) bytes:
+//   A8 formats (int8_w8a8, int4_w4a16, mxfp4_w4a16): a quantized row of kQuantRowStride(Kp) bytes:
 //       int8 a[Kp] (stored as u8 = a + 128 when the tile set has unsigned_activations), then at byte Kp a
 //       f32 scale, then at byte Kp + 4 int32 sums[Kp/32]: sums[c] = sum of a[32c .. 32c+31] (signed a).
 //       Quantization per row: scale = max|x| / 127, a = round_half_even(x / scale) (all 0 when max is 0).
-//   A16 formats (fp8, mxfp4): bf16 rows of Kp elements (zero-padded).
+//   A16 format (fp8): bf16 rows of Kp elements (zero-padded).
 //
 // Tile outputs (GemmTile::out):
 //   w13: out[r][0:32] = act(gate + bias) * (up + bias) for the block's 32 intermediate columns:
 //        float32 for A8 formats (the driver then quantizes the whole intermediate row per token),
 //        bf16 for A16 formats (GemmTile::dtype says which).
 //   w2 / linear: float32 out[r][0:out_cols] = (dot + bias) * row_scale[r], exactly as the dense w2 tile.
-// Dot products are exact integer sums for A8 formats, rescaled in float32 once per group (int4) or once
-// per row (int8): y = scale_a * sum_G scale_w[G] * (acc_G - zero[G] * sums_G) for int4, y = scale_a *
-// scale_w * (acc) for int8.
+// Dot products are exact integer sums for A8 formats, rescaled in float32 once per group (int4, mxfp4) or
+// once per row (int8): y = scale_a * sum_G scale_w[G] * (acc_G - zero[G] * sums_G) for int4, y = scale_a *
+// scale_w * (acc) for int8, and for mxfp4 (acc_G = sum of kMxfp4Twice[q] * a, so the 2 is taken off with
+// the row's scale) y = (sum_G 2^(e_G - 127) * acc_G) * (scale_a * 0.5). Each path sums the groups in
+// order, one rounding per group, so every path gives the same bits.
 #pragma once
 #include <cstdint>
 
@@ -80,9 +85,7 @@ inline const char* quant_format_name(QuantFormat f) {
   }
 }
 // True for the formats whose activations are quantized to int8 per token.
-inline bool quant_int8_activations(QuantFormat f) {
-  return f == QuantFormat::kInt8W8A8 || f == QuantFormat::kInt4W4A16;
-}
+inline bool quant_int8_activations(QuantFormat f) { return f != QuantFormat::kFp8W8A16; }
 
 // Bytes of one packed block of 64 columns over Kp (already padded) with group size g (int4: group, fp8:
 // k-chunk; ignored by int8 and mxfp4).
@@ -101,6 +104,10 @@ inline int64_t quant_row_stride(int64_t Kp) { return round_up(Kp + 4 + 4 * (Kp /
 // e2m1 code -> value.
 constexpr float kE2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+// e2m1 code -> 2 x value, an int8. Tiles whose products take an unsigned weight (x86 u8 x s8) look up
+// kMxfp4Twice + kMxfp4Offset (0..24) and take kMxfp4Offset x the group's activation sum off.
+constexpr int8_t kMxfp4Twice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr int kMxfp4Offset = 12;
 
 // float8 e4m3fn byte -> float (exact; 0x7f / 0xff are NaN).
 inline float e4m3_to_float(uint8_t b) {
@@ -129,9 +136,9 @@ void quantize_row_f32(const float* x, int64_t K, int64_t Kp, bool unsigned_activ
 // The portable tiles of each format (quant_generic.cpp): every other path is checked against them.
 const QuantKernel& quant_generic(QuantFormat f);
 #if defined(__x86_64__)
-const QuantKernel* quant_x86_avx512vnni(QuantFormat f);  // int8, int4; nullptr for others
-const QuantKernel* quant_x86_avx512bf16(QuantFormat f);  // fp8, mxfp4
-const QuantKernel* quant_x86_avx2(QuantFormat f);        // int8, int4 (and fp8/mxfp4 where written)
+const QuantKernel* quant_x86_avx512vnni(QuantFormat f);  // int8, int4, mxfp4; nullptr for fp8
+const QuantKernel* quant_x86_avx512bf16(QuantFormat f);  // fp8
+const QuantKernel* quant_x86_avx2(QuantFormat f);        // all four
 #endif
 #if defined(__aarch64__)
 const QuantKernel* quant_arm_i8mm(QuantFormat f);        // int8, int4 (SMMLA)

@@ -3,7 +3,6 @@
 // are checked against, and the path that runs where no ISA unit has tiles for a format. Also the per-token
 // activation quantization every A8 path shares.
 #include <array>
-#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -85,18 +84,28 @@ void dot_fp8(const GemmTile& t, const uint8_t* a, float* y) {
 void dot_mxfp4(const GemmTile& t, const uint8_t* a, float* y) {
   const uint8_t* w = static_cast<const uint8_t*>(t.b);
   const int64_t Kp = t.k;
-  const uint8_t* scale = w + 32 * Kp;
-  const uint16_t* x = reinterpret_cast<const uint16_t*>(a);
-  for (int n = 0; n < kBlockCols; ++n) y[n] = 0.0f;
-  for (int64_t c = 0; c < Kp / kMxfp4Group; ++c) {
-    float acc[kBlockCols] = {};
-    for (int64_t k = c * kMxfp4Group; k < (c + 1) * kMxfp4Group; k += 2) {
-      const float x0 = bf16_to_f32(x[k]), x1 = bf16_to_f32(x[k + 1]);
-      const uint8_t* wk = w + k / 2 * kBlockCols;
-      for (int n = 0; n < kBlockCols; ++n) acc[n] += x0 * kE2m1[wk[n] & 0xF] + x1 * kE2m1[wk[n] >> 4];
+  const uint8_t* exps = w + 32 * Kp;
+  const int8_t* qa = reinterpret_cast<const int8_t*>(a);
+  float ascale;
+  std::memcpy(&ascale, a + Kp, 4);
+  float out[kBlockCols] = {};
+  for (int64_t G = 0; G < Kp / kMxfp4Group; ++G) {
+    int32_t acc[kBlockCols] = {};
+    for (int64_t oct = G * kMxfp4Group / 8; oct < (G + 1) * kMxfp4Group / 8; ++oct)
+      for (int i = 0; i < 256; ++i) {
+        const int n = 16 * (i / 64) + (i % 64) / 4, kk = i % 4;
+        const uint8_t byte = w[oct * 256 + i];
+        acc[n] += kMxfp4Twice[byte & 0xF] * qa[8 * oct + kk] + kMxfp4Twice[byte >> 4] * qa[8 * oct + 4 + kk];
+      }
+    for (int n = 0; n < kBlockCols; ++n) {
+      const uint32_t bits = uint32_t(exps[G * 64 + n]) << 23;  // 2^(e - 127); e = 0 gives 0
+      float scale;
+      std::memcpy(&scale, &bits, 4);
+      out[n] += scale * float(acc[n]);
     }
-    for (int n = 0; n < kBlockCols; ++n) y[n] += std::ldexp(acc[n], int(scale[c * 64 + n]) - 127);
   }
+  const float half_ascale = ascale * 0.5f;  // acc counts 2 x the e2m1 values
+  for (int n = 0; n < kBlockCols; ++n) y[n] = out[n] * half_ascale;
 }
 
 using DotFn = void (*)(const GemmTile&, const uint8_t*, float*);

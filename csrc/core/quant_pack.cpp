@@ -24,6 +24,18 @@ int64_t scale_cols(const QuantSource& s) {
   }
 }
 
+// 4-bit codes in the int4_w4a16 / mxfp4_w4a16 order (quant.h): k-octet s, run j, byte i holds column
+// 16j + i/4, k = 8s + i%4 in the low nibble and k + 4 in the high one.
+template <class Code>
+void pack_nibbles(const Code& code, int64_t Kp, uint8_t* out) {
+  for (int64_t oct = 0; oct < Kp / 8; ++oct)
+    for (int j = 0; j < 4; ++j)
+      for (int i = 0; i < 64; ++i) {
+        const int n = 16 * j + i / 4, kk = i % 4;
+        out[oct * 256 + j * 64 + i] = uint8_t((code(n, 8 * oct + kk) & 0xF) | (code(n, 8 * oct + 4 + kk) << 4));
+      }
+}
+
 void pack_block(const QuantSource& s, const QuantPackedShape& shape, const RowView (&rows)[kBlockCols],
                 uint8_t* out) {
   const int64_t Kp = shape.kp, K = s.K;
@@ -48,12 +60,7 @@ void pack_block(const QuantSource& s, const QuantPackedShape& shape, const RowVi
       break;
     }
     case QuantFormat::kInt4W4A16: {
-      for (int64_t oct = 0; oct < Kp / 8; ++oct)
-        for (int j = 0; j < 4; ++j)
-          for (int i = 0; i < 64; ++i) {
-            const int n = 16 * j + i / 4, kk = i % 4;
-            out[oct * 256 + j * 64 + i] = uint8_t((code(n, 8 * oct + kk) & 0xF) | (code(n, 8 * oct + 4 + kk) << 4));
-          }
+      pack_nibbles(code, Kp, out);
       const int64_t groups = Kp / shape.group, src_groups = scale_cols(s);
       float* meta = reinterpret_cast<float*>(out + 32 * Kp);
       for (int64_t g = 0; g < groups; ++g)
@@ -74,9 +81,7 @@ void pack_block(const QuantSource& s, const QuantPackedShape& shape, const RowVi
       break;
     }
     default: {
-      for (int64_t k = 0; k < Kp; k += 2)
-        for (int n = 0; n < kBlockCols; ++n)
-          out[k / 2 * kBlockCols + n] = uint8_t((code(n, k) & 0xF) | (code(n, k + 1) << 4));
+      pack_nibbles(code, Kp, out);
       uint8_t* scale = out + 32 * Kp;
       for (int64_t c = 0; c < Kp / kMxfp4Group; ++c)
         for (int n = 0; n < kBlockCols; ++n)

@@ -27,6 +27,7 @@ from tests.engine.paged import paged_case  # noqa: E402
 from tests.models.tiny import engine_greedy, greedy_without_cache, spread_weights_  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+A8_BUDGET = 0.01  # int8 activations per token; measured 0.0034 here (against the twin and transformers alike)
 # 11 tokens: longer than the window, so sliding layers drop keys; no routing near-tie in bf16 (min_router_margin)
 PROMPT = torch.tensor([[56, 59, 15, 24, 123, 9, 66, 71, 53, 69, 36]])  # [1, T]
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -215,20 +216,21 @@ def test_mxfp4_runs_natively_in_bf16(mxfp4_paths):
 
 
 def test_mxfp4_checkpoint_matches_dequantized(pair, mxfp4_paths):
+    """In float32 too the experts run natively: MXFP4 computes as W4A8 (activations quantized to int8 per token,
+    as the reference does), so the logits keep to the A8 budget against the dequantized twin and transformers."""
     model, _ = pair
     mx, deq = mxfp4_paths
     ours_mx = load_model(mx)
     assert ours_mx.config.quantization == "mxfp4"
+    blocks = [m for m in ours_mx.modules() if isinstance(m, GptOssMoE)]
+    assert blocks and all(b.experts.quantization == "mxfp4_w4a16" and b.experts.backend != "naive" for b in blocks)
     out = ours_mx(PROMPT)
-    # float32 activations: MXFP4 (an A16 format, bf16 activations only) runs dequantized on the naive path, the
-    # twin on the fused fp32 path: same weights, another summation order.
-    torch.testing.assert_close(out, load_model(deq)(PROMPT), rtol=1e-4, atol=1e-4 * out.abs().max().item(),
-                               msg="MXFP4 experts differ from their dequantized twin")
+    assert rel_err(out, load_model(deq)(PROMPT)) <= A8_BUDGET, "MXFP4 experts differ from their dequantized twin"
     theirs_model = transformers.GptOssForCausalLM.from_pretrained(deq, dtype=torch.float32,
                                                                   experts_implementation="eager").eval()
     with torch.no_grad():
         theirs = theirs_model(PROMPT).logits
-    assert rel_err(out, theirs) <= TOL[torch.float32]
+    assert rel_err(out, theirs) <= A8_BUDGET
     with torch.no_grad():
         original = model(PROMPT).logits
     assert rel_err(out, original) > TOL[torch.float32]  # quantization did change the experts

@@ -2,9 +2,9 @@
 Qwen3-MoE, load in their format (QuantizedLinear projections, quantized experts on a native path) and agree with
 the model whose weights are their dequantized values (a bf16 "twin" checkpoint) within a budget per format:
 
-    A16 formats (fp8, mxfp4): the same weights in bf16, another summation order: bf16 rounding only.
-    A8 formats (int8, int4): activations also quantized to int8 per token before every linear and expert GEMM,
-    the error that W8A8 checkpoints accept.
+    A16 format (fp8): the same weights in bf16, another summation order: bf16 rounding only.
+    A8 formats (int8, int4, mxfp4): activations also quantized to int8 per token before every linear and expert
+    GEMM, the error that W8A8 checkpoints accept.
 The budget is on logits, relative to the largest |logit|, on a prompt of 12 tokens."""
 import json
 import shutil
@@ -37,7 +37,7 @@ LAYOUTS = {
     "fp8-block": dict(format="fp8"),
     "mxfp4-compressed-tensors": dict(format="mxfp4"),
 }
-BUDGET = {"int8_w8a8": 0.03, "int4_w4a16": 0.03, "fp8_w8a16": 0.015, "mxfp4_w4a16": 0.015}  # measured: 0.012, 0.011-0.015, 0.007, 0.000
+BUDGET = {"int8_w8a8": 0.03, "int4_w4a16": 0.03, "fp8_w8a16": 0.015, "mxfp4_w4a16": 0.03}  # measured: 0.012, 0.011-0.015, 0.007, 0.007
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 250, 3, 61, 128, 200, 33, 8]])
 
 

@@ -118,7 +118,7 @@ const QuantKernel* a8_kernel(QuantFormat f) {
   switch (f) {
     case QuantFormat::kInt8W8A8: return A8Tiles<Unit, QuantFormat::kInt8W8A8>::kernel();
     case QuantFormat::kInt4W4A16: return A8Tiles<Unit, QuantFormat::kInt4W4A16>::kernel();
-    default: return nullptr;  // fp8 / mxfp4: bf16 formats, no tiles here
+    default: return nullptr;  // fp8 (bf16 activations) and mxfp4: the generic tiles
   }
 }
 

@@ -1,4 +1,4 @@
-// x86 AVX-512 VNNI: int8_w8a8 and int4_w4a16 tiles with VPDPBUSD (u8 x s8 -> int32, four products a lane).
+// x86 AVX-512 VNNI: int8_w8a8, int4_w4a16 and mxfp4_w4a16 tiles with VPDPBUSD (u8 x s8 -> int32, four products a lane).
 //   int8: a block is [Kp/4][64][4] int8, so one 64-byte load is 16 columns x one k-quad and a row's k-quad
 //         is one 32-bit broadcast. VPDPBUSD wants one unsigned operand: the activations come as
 //         u = a + 128 (unsigned_activations) and 128 * colsum[n] is taken off once at the end. Up to
@@ -118,17 +118,74 @@ struct Int4Dot {
   }
 };
 
+// mxfp4: the codes sit in int4's nibble order, so the same two vectors per 64 bytes come out of a mask and a
+// shift; VPSHUFB then maps each code to kMxfp4Twice + 12 (0..24), the unsigned operand. The accumulators
+// start each 32-k group at -12 x the group's activation sum, so they end at the signed dot exactly, and
+// the group's power-of-two scale is one shift of its exponent byte.
+template <int R>
+struct Mxfp4Dot {
+  static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
+    const uint8_t* b = static_cast<const uint8_t*>(t.b);
+    const int64_t Kp = t.k;
+    const uint8_t* exps = b + 32 * Kp;  // [Kp/32][64]
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    alignas(16) int8_t table[16];
+    for (int q = 0; q < 16; ++q) table[q] = int8_t(kMxfp4Twice[q] + kMxfp4Offset);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
+    const int32_t* a[R];
+    const int32_t* sums[R];
+    __m512 tot[R][4];
+    for (int r = 0; r < R; ++r) {
+      a[r] = static_cast<const int32_t*>(t.a_rows[r]);
+      sums[r] = qx86::a8_sums(t.a_rows[r], Kp);
+      for (int c = 0; c < 4; ++c) tot[r][c] = _mm512_setzero_ps();
+    }
+    for (int64_t G = 0; G < Kp / kMxfp4Group; ++G) {
+      prefetch_lines<R>(exps + 64 * G, 1, 64);  // the next group's exponents
+      __m512i acc[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_set1_epi32(-kMxfp4Offset * sums[r][G]);
+      for (int64_t s = 4 * G; s < 4 * G + 4; ++s) {  // k-octets: 256 bytes, 64 columns x 8 k
+        const __m512i* bs = reinterpret_cast<const __m512i*>(b + 256 * s);
+        prefetch_lines<R>(bs, 4);
+        for (int c = 0; c < 4; ++c) {
+          const __m512i raw = _mm512_loadu_si512(bs + c);
+          const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(raw, low4));
+          const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+          for (int r = 0; r < R; ++r) {
+            acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], lo, _mm512_set1_epi32(a[r][2 * s]));
+            acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], hi, _mm512_set1_epi32(a[r][2 * s + 1]));
+          }
+        }
+      }
+      for (int c = 0; c < 4; ++c) {
+        const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(exps + 64 * G + 16 * c)));
+        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));  // 2^(e - 127); e = 0 gives 0
+        for (int r = 0; r < R; ++r)  // scale x acc is exact, so this rounds once, as quant_generic's
+          tot[r][c] = _mm512_add_ps(tot[r][c], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(acc[r][c])));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 half_sa = _mm512_set1_ps(qx86::a8_scale(a[r], Kp) * 0.5f);
+      for (int c = 0; c < 4; ++c) y[r][c] = (simd::f32x16)_mm512_mul_ps(tot[r][c], half_sa);
+    }
+  }
+};
+
 using Int8Tiles = qx86::Tiles<Int8Dot, DType::kFloat32, 6>;
 using Int4Tiles = qx86::Tiles<Int4Dot, DType::kFloat32, 4>;
+using Mxfp4Tiles = qx86::Tiles<Mxfp4Dot, DType::kFloat32, 4>;
 
 }  // namespace
 
 const QuantKernel* quant_x86_avx512vnni(QuantFormat f) {
   static const QuantKernel int8{6, true, Int8Tiles::w13, Int8Tiles::w2};
   static const QuantKernel int4{4, false, Int4Tiles::w13, Int4Tiles::w2};
+  static const QuantKernel mxfp4{4, false, Mxfp4Tiles::w13, Mxfp4Tiles::w2};
   switch (f) {
     case QuantFormat::kInt8W8A8: return &int8;
     case QuantFormat::kInt4W4A16: return &int4;
+    case QuantFormat::kMxfp4W4A16: return &mxfp4;
     default: return nullptr;
   }
 }
