@@ -1,5 +1,5 @@
 // What the Arm A8 tiles (quant_i8mm.cpp: SMMLA, quant_dotprod.cpp: SDOT) share: reading a quantized
-// activation row and a block's metadata (layouts in ../quant.h), and the epilogue that turns a tile of
+// activation row, a block's 4-bit codes and its metadata (layouts in ../quant.h), and the epilogue that turns a tile of
 // float32 dot products into the w13 or w2 output. Both units are compiled with their own -march flags,
 // so everything here is internal to each (anonymous namespace) and compiled twice.
 #pragma once
@@ -45,8 +45,38 @@ inline const float* int4_group_meta(const GemmTile& t, int64_t G) {
   return reinterpret_cast<const float*>(static_cast<const char*>(t.b) + 32 * t.k + 512 * G);
 }
 
-// tile[r][n] holds row r's dot product with column n, already times the column's weight scale (int4) or
-// not (int8: col_scale != nullptr multiplies it in); the row's activation scale is applied here, then
+// The 4-bit codes of one 16-byte quarter of a k-octet (int4_w4a16 and mxfp4_w4a16 share the order: columns
+// 4u..4u+3, k 0..3 in the low nibbles and k 4..7 in the high ones) as two int8 operands: int4's codes 0..15
+// as they are, mxfp4's through a table to kMxfp4Twice (signed x signed products need no offset).
+template <QuantFormat F>
+inline void nibble_operands(uint8x16_t v, int8x16_t& lo, int8x16_t& hi) {
+  const uint8x16_t low = vandq_u8(v, vdupq_n_u8(0xF)), high = vshrq_n_u8(v, 4);
+  if constexpr (F == QuantFormat::kMxfp4W4A16) {
+    const int8x16_t table = vld1q_s8(kMxfp4Twice);
+    lo = vqtbl1q_s8(table, low);
+    hi = vqtbl1q_s8(table, high);
+  } else {
+    lo = vreinterpretq_s8_u8(low);
+    hi = vreinterpretq_s8_u8(high);
+  }
+}
+
+// mxfp4_w4a16: 2^(e - 128) for columns n..n+L-1 of group G (the e8m0 scale, halved because the dot sums
+// kMxfp4Twice; exact), L = 4 or 2.
+inline float32x4_t mxfp4_half_scales4(const GemmTile& t, int64_t G, int n) {
+  uint32_t bytes;
+  std::memcpy(&bytes, static_cast<const uint8_t*>(t.b) + 32 * t.k + 64 * G + n, 4);
+  const uint32x4_t e = vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(bytes))));
+  return vmulq_n_f32(vreinterpretq_f32_u32(vshlq_n_u32(e, 23)), 0.5f);
+}
+inline float32x2_t mxfp4_half_scales2(const GemmTile& t, int64_t G, int n) {
+  const uint8_t* e = static_cast<const uint8_t*>(t.b) + 32 * t.k + 64 * G + n;
+  const uint32x2_t bits = vshl_n_u32(vcreate_u32(uint64_t(e[0]) | uint64_t(e[1]) << 32), 23);
+  return vmul_n_f32(vreinterpret_f32_u32(bits), 0.5f);
+}
+
+// tile[r][n] holds row r's dot product with column n, already times the column's weight scale (int4, mxfp4)
+// or not (int8: col_scale != nullptr multiplies it in); the row's activation scale is applied here, then
 // bias, activation / row_scale as the dense tiles do (simd.h).
 template <int R>
 inline void a8_w13_finish(const GemmTile& t, const A8Row (&rows)[R], const float* col_scale,
@@ -79,7 +109,7 @@ inline void a8_w2_finish(const GemmTile& t, const A8Row (&rows)[R], const float*
 // dot products, and these wrap it into the row tiles the driver calls, Unit::kMaxRows rows per register tile.
 template <class Unit, QuantFormat F>
 struct A8Tiles {
-  static const float* col_scale(const GemmTile& t) {  // int8's weight scale comes after the dot; int4's is in it
+  static const float* col_scale(const GemmTile& t) {  // int8's weight scale comes after the dot; int4's, mxfp4's in it
     return F == QuantFormat::kInt8W8A8 ? int8_col_scales(t) : nullptr;
   }
   template <int R>
@@ -112,13 +142,14 @@ struct A8Tiles {
   }
 };
 
-// The int8 and int4 tiles of a unit, per format.
+// The A8 tiles of a unit (int8, int4, mxfp4), per format.
 template <class Unit>
 const QuantKernel* a8_kernel(QuantFormat f) {
   switch (f) {
     case QuantFormat::kInt8W8A8: return A8Tiles<Unit, QuantFormat::kInt8W8A8>::kernel();
     case QuantFormat::kInt4W4A16: return A8Tiles<Unit, QuantFormat::kInt4W4A16>::kernel();
-    default: return nullptr;  // fp8 (bf16 activations) and mxfp4: the generic tiles
+    case QuantFormat::kMxfp4W4A16: return A8Tiles<Unit, QuantFormat::kMxfp4W4A16>::kernel();
+    default: return nullptr;  // fp8 takes bf16 activations: the generic tiles
   }
 }
 

@@ -1,11 +1,11 @@
-// Arm dot product (Armv8.2 SDOT, vdotq_laneq_s32): int8_w8a8 and int4_w4a16 tiles (block layouts in
+// Arm dot product (Armv8.2 SDOT, vdotq_laneq_s32): int8_w8a8, int4_w4a16 and mxfp4_w4a16 tiles (block layouts in
 // ../quant.h). SDOT by lane adds to each int32 lane i the dot of bytes 4i..4i+3 of the first operand with
 // one 4-byte lane of the second: with 4 columns x 4 k as the first operand and an activation k-quad as
 // the lane, one instruction adds 4 columns' k-quad dots (16 multiply-adds).
 //
 // Weight operands: int8's [Kp/4][64][4] gives 4 columns x 4 k in one 16-byte load at k-quad q, used as
 // is; int4's quarter u of a k-octet (columns 4u..4u+3) gives k 0..3 in its low nibbles (AND 0xF) and k
-// 4..7 in its high ones (USHR 4). Activations are signed int8 (QuantKernel::unsigned_activations =
+// 4..7 in its high ones (USHR 4); mxfp4's codes, in the same order, go through a TBL to kMxfp4Twice. Activations are signed int8 (QuantKernel::unsigned_activations =
 // false): one 16-byte load per row feeds four k-quads through SDOT's lane index.
 //
 // Tiling, as kernels_neon.cpp: R rows x C columns of int32x4 accumulators for the whole k (int8), C = 64,
@@ -49,16 +49,12 @@ inline void int8_quad(const int8_t* b, int64_t q, const int8x16_t (&x)[R], int32
   sdot_quads<L, R, U>(w, x, acc);
 }
 
-// int4: k-octet s (lanes L, L + 1 of x) of the columns into acc.
-template <int L, int R, int U>
-inline void int4_octet(const uint8_t* b, int64_t s, const int8x16_t (&x)[R], int32x4_t (&acc)[R][U]) {
+// int4 / mxfp4: k-octet s (lanes L, L + 1 of x) of the columns into acc.
+template <QuantFormat F, int L, int R, int U>
+inline void nibble_octet(const uint8_t* b, int64_t s, const int8x16_t (&x)[R], int32x4_t (&acc)[R][U]) {
   int8x16_t lo[U], hi[U];
 #pragma GCC unroll 8
-  for (int u = 0; u < U; ++u) {
-    const uint8x16_t v = vld1q_u8(b + 256 * s + 16 * u);
-    lo[u] = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0xF)));  // codes 0..15: valid int8
-    hi[u] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
-  }
+  for (int u = 0; u < U; ++u) nibble_operands<F>(vld1q_u8(b + 256 * s + 16 * u), lo[u], hi[u]);
   sdot_quads<L, R, U>(lo, x, acc);
   sdot_quads<L + 1, R, U>(hi, x, acc);
 }
@@ -88,9 +84,10 @@ inline void int8_pass(const GemmTile& t, const A8Row (&rows)[R], int col0, float
     for (int u = 0; u < U; ++u) vst1q_f32(&tile[r][col0 + 4 * u], vcvtq_f32_s32(acc[r][u]));
 }
 
-// int4: tile[r][col0 : col0 + C] = sum_G scale[G] * (a_r . q over G - zero[G] * sum of a_r over G).
-template <int R, int C>
-inline void int4_pass(const GemmTile& t, const A8Row (&rows)[R], int col0, float (&tile)[R][kBlockCols]) {
+// int4: tile[r][col0 : col0 + C] = sum_G scale[G] * (a_r . q over G - zero[G] * sum of a_r over G);
+// mxfp4: sum_G 2^(e_G - 128) * (a_r . kMxfp4Twice[q] over G).
+template <QuantFormat F, int R, int C>
+inline void nibble_pass(const GemmTile& t, const A8Row (&rows)[R], int col0, float (&tile)[R][kBlockCols]) {
   constexpr int U = C / 4;
   const uint8_t* b = static_cast<const uint8_t*>(t.b) + 4 * col0;
   float32x4_t facc[R][U];
@@ -108,8 +105,17 @@ inline void int4_pass(const GemmTile& t, const A8Row (&rows)[R], int col0, float
     for (int64_t k = k0; k < k0 + t.group; k += 16) {  // g is a multiple of 32
       int8x16_t x[R];
       load_rows<R>(rows, k, x);
-      int4_octet<0, R, U>(b, k / 8, x, acc);
-      int4_octet<2, R, U>(b, k / 8 + 1, x, acc);
+      nibble_octet<F, 0, R, U>(b, k / 8, x, acc);
+      nibble_octet<F, 2, R, U>(b, k / 8 + 1, x, acc);
+    }
+    if constexpr (F == QuantFormat::kMxfp4W4A16) {
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) {
+        const float32x4_t s = mxfp4_half_scales4(t, grp, col0 + 4 * u);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) facc[r][u] = vfmaq_f32(facc[r][u], vcvtq_f32_s32(acc[r][u]), s);
+      }
+      continue;
     }
     const float* scale = int4_group_meta(t, grp) + col0;
     const float* zero = scale + kBlockCols;
@@ -135,7 +141,7 @@ inline void accumulate(const GemmTile& t, const A8Row (&rows)[R], float (&tile)[
     for (int col0 = 0; col0 < kBlockCols; col0 += C) int8_pass<R, C>(t, rows, col0, tile);
   } else {
     constexpr int C = int4_pass_cols(R);
-    for (int col0 = 0; col0 < kBlockCols; col0 += C) int4_pass<R, C>(t, rows, col0, tile);
+    for (int col0 = 0; col0 < kBlockCols; col0 += C) nibble_pass<F, R, C>(t, rows, col0, tile);
   }
 }
 

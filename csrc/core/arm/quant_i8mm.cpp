@@ -1,4 +1,5 @@
-// Arm I8MM (Armv8.6 SMMLA, vmmlaq_s32): int8_w8a8 and int4_w4a16 tiles (block layouts in ../quant.h).
+// Arm I8MM (Armv8.6 SMMLA, vmmlaq_s32): int8_w8a8, int4_w4a16 and mxfp4_w4a16 tiles (block layouts in
+// ../quant.h; mxfp4's codes sit in int4's order and go through a TBL to kMxfp4Twice).
 // SMMLA multiplies a 2x8 int8 operand (two activation rows, 8 consecutive k each) by an 8x2 one (two
 // columns, 8 consecutive k each, stored as column 0's 8 bytes then column 1's) into an int32x4
 // [r0c0, r0c1, r1c0, r1c1]: 32 multiply-adds per instruction, twice SDOT's.
@@ -38,10 +39,11 @@ inline void int8_operands(const int8_t* octet, int u, int8x16_t& w0, int8x16_t& 
   w0 = vreinterpretq_s8_s32(vzip1q_s32(k0, k4));
   w1 = vreinterpretq_s8_s32(vzip2q_s32(k0, k4));
 }
-inline void int4_operands(const uint8_t* octet, int u, int8x16_t& w0, int8x16_t& w1) {
-  const uint8x16_t v = vld1q_u8(octet + 16 * u);
-  const int32x4_t k0 = vreinterpretq_s32_u8(vandq_u8(v, vdupq_n_u8(0xF)));  // codes 0..15: valid int8
-  const int32x4_t k4 = vreinterpretq_s32_u8(vshrq_n_u8(v, 4));
+template <QuantFormat F>
+inline void nibble_operands(const uint8_t* octet, int u, int8x16_t& w0, int8x16_t& w1) {
+  int8x16_t lo, hi;
+  nibble_operands<F>(vld1q_u8(octet + 16 * u), lo, hi);
+  const int32x4_t k0 = vreinterpretq_s32_s8(lo), k4 = vreinterpretq_s32_s8(hi);
   w0 = vreinterpretq_s8_s32(vzip1q_s32(k0, k4));
   w1 = vreinterpretq_s8_s32(vzip2q_s32(k0, k4));
 }
@@ -85,9 +87,10 @@ inline void int8_pass(const GemmTile& t, const int8_t* const (&a)[2 * P], int pa
   store_pairs<R, P, G>(f, pair0, tile);
 }
 
-// int4: tile[r][2 * pair0 ...] = sum_G scale[G] * (a_r . q over G - zero[G] * sum of a_r over G).
-template <int R, int P, int G>
-inline void int4_pass(const GemmTile& t, const A8Row (&rows)[R], const int8_t* const (&a)[2 * P], int pair0,
+// int4: tile[r][2 * pair0 ...] = sum_G scale[G] * (a_r . q over G - zero[G] * sum of a_r over G);
+// mxfp4: sum_G 2^(e_G - 128) * (a_r . kMxfp4Twice[q] over G).
+template <QuantFormat F, int R, int P, int G>
+inline void nibble_pass(const GemmTile& t, const A8Row (&rows)[R], const int8_t* const (&a)[2 * P], int pair0,
                       float (&tile)[R][kBlockCols]) {
   const uint8_t* b = static_cast<const uint8_t*>(t.b) + 8 * pair0;
   const int64_t octets = t.group / 8;
@@ -109,13 +112,23 @@ inline void int4_pass(const GemmTile& t, const A8Row (&rows)[R], const int8_t* c
 #pragma GCC unroll 4
       for (int u = 0; u < G / 2; ++u) {
         int8x16_t w0, w1;
-        int4_operands(octet, u, w0, w1);
+        nibble_operands<F>(octet, u, w0, w1);
 #pragma GCC unroll 4
         for (int p = 0; p < P; ++p) {
           acc[p][2 * u] = vmmlaq_s32(acc[p][2 * u], x[p], w0);
           acc[p][2 * u + 1] = vmmlaq_s32(acc[p][2 * u + 1], x[p], w1);
         }
       }
+    }
+    if constexpr (F == QuantFormat::kMxfp4W4A16) {
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        const float32x2_t s2 = mxfp4_half_scales2(t, grp, 2 * (pair0 + g));
+        const float32x4_t s = vcombine_f32(s2, s2);
+#pragma GCC unroll 4
+        for (int p = 0; p < P; ++p) facc[p][g] = vfmaq_f32(facc[p][g], vcvtq_f32_s32(acc[p][g]), s);
+      }
+      continue;
     }
     const float* scale = int4_group_meta(t, grp);
     const float* zero = scale + kBlockCols;
@@ -149,7 +162,7 @@ inline void accumulate(const GemmTile& t, const A8Row (&rows)[R], float (&tile)[
     for (int pair0 = 0; pair0 < kBlockCols / 2; pair0 += G) int8_pass<R, P, G>(t, a, pair0, tile);
   } else {
     constexpr int G = int4_pass_pairs(P);
-    for (int pair0 = 0; pair0 < kBlockCols / 2; pair0 += G) int4_pass<R, P, G>(t, rows, a, pair0, tile);
+    for (int pair0 = 0; pair0 < kBlockCols / 2; pair0 += G) nibble_pass<F, R, P, G>(t, rows, a, pair0, tile);
   }
 }
 

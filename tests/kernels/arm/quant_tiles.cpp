@@ -1,8 +1,8 @@
-// Tile-level check of the Arm A8 tiles (arm-i8mm's SMMLA and arm-dotprod's SDOT, int8_w8a8 and
-// int4_w4a16), and of the generic ones they are held to, against a scalar float64 reading of
+// Tile-level check of the Arm A8 tiles (arm-i8mm's SMMLA and arm-dotprod's SDOT, int8_w8a8, int4_w4a16
+// and mxfp4_w4a16), and of the generic ones they are held to, against a scalar float64 reading of
 // ../../../csrc/core/quant.h: random packed blocks and
 // quantized activation rows, every row count 1..9 (so every register tile and a split by run_row_tiles),
-// Kp 32, 96, 2048, int4 groups 32, 64, 128 and Kp where they divide Kp, the four activations, bias and
+// Kp 32, 96, 2048, int4 groups 32, 64, 128 and Kp where they divide Kp (mxfp4: 32), the four activations, bias and
 // row_scale on and off, a w2 right edge (out_cols < 64). Outputs are written with a row stride wider
 // than the tile, the gap filled with a sentinel that must survive. Cross-compiled with the Arm units and
 // run under qemu-aarch64 by test_arm_qemu.py; prints one line per (path, format, Kp, g) with the largest
@@ -70,6 +70,10 @@ std::vector<uint8_t> make_block(std::mt19937& rng, QuantFormat f, int64_t Kp, in
       colsum[n] = 0;
       for (int64_t k = 0; k < Kp; ++k) colsum[n] += int8_t(b[(k / 4 * 64 + n) * 4 + k % 4]);
     }
+  } else if (f == QuantFormat::kMxfp4W4A16) {
+    std::uniform_int_distribution<int> code(0, 255), exponent(118, 126);
+    for (int64_t i = 0; i < 32 * Kp; ++i) b[i] = uint8_t(code(rng));
+    for (int64_t i = 0; i < 2 * Kp; ++i) b[32 * Kp + i] = i % 64 == 63 ? 0 : uint8_t(exponent(rng));
   } else {
     std::uniform_int_distribution<int> code(0, 255);
     for (int64_t i = 0; i < 32 * Kp; ++i) b[i] = uint8_t(code(rng));
@@ -100,12 +104,19 @@ double ref_dot(QuantFormat f, const uint8_t* block, const void* row, int64_t Kp,
   double y = 0.0;
   for (int64_t G = 0; G < Kp / g; ++G) {
     int64_t acc = 0, sum = 0;
+    double mx = 0.0;
     for (int64_t k = G * g; k < (G + 1) * g; ++k) {
       const int64_t s = k / 8, kk = k % 8;
       const uint8_t byte = block[s * 256 + (n / 16) * 64 + (n % 16) * 4 + kk % 4];
       const int q = kk < 4 ? byte & 0xF : byte >> 4;
       acc += int64_t(a[k]) * q;
       sum += a[k];
+      mx += double(a[k]) * kE2m1[q];
+    }
+    if (f == QuantFormat::kMxfp4W4A16) {
+      const int e = block[32 * Kp + 64 * G + n];
+      y += e ? std::ldexp(mx, e - 127) : 0.0;
+      continue;
     }
     const float* scale = reinterpret_cast<const float*>(block + 32 * Kp + 512 * G);
     y += double(scale[n]) * (double(acc) - double(scale[64 + n]) * double(sum));
@@ -232,7 +243,7 @@ int main(int argc, char** argv) {
       std::printf("%s: skipped, CPU lacks %s\n", p.name, p.feature);
       continue;
     }
-    for (QuantFormat f : {QuantFormat::kInt8W8A8, QuantFormat::kInt4W4A16}) {
+    for (QuantFormat f : {QuantFormat::kInt8W8A8, QuantFormat::kInt4W4A16, QuantFormat::kMxfp4W4A16}) {
       const QuantKernel* qk = p.quant(f);
       if (!qk) {
         std::printf("%s %s: no tiles\n", p.name, quant_format_name(f));
@@ -240,7 +251,7 @@ int main(int argc, char** argv) {
         continue;
       }
       for (int64_t Kp : {32, 96, 2048}) {
-        std::vector<int64_t> groups{Kp};
+        std::vector<int64_t> groups{f == QuantFormat::kMxfp4W4A16 ? kMxfp4Group : Kp};
         if (f == QuantFormat::kInt4W4A16)
           for (int64_t g : {32, 64, 128})
             if (g < Kp && Kp % g == 0) groups.insert(groups.begin(), g);

@@ -98,7 +98,7 @@ def test_paths_available_on_cpu_max(driver):
     for name in ("arm-bfmmla", "arm-i8mm", "arm-dotprod", "arm-neon"):
         assert paths[name] == "available", paths
     tiles = _tiles(driver, "max")
-    assert tiles["arm-i8mm"] == tiles["arm-dotprod"] == ["int8_w8a8", "int4_w4a16"], tiles
+    assert tiles["arm-i8mm"] == tiles["arm-dotprod"] == ["int8_w8a8", "int4_w4a16", "mxfp4_w4a16"], tiles
 
 
 def test_bfmmla_unavailable_without_bf16(driver):
@@ -218,13 +218,13 @@ QUANT_TOLERANCES = {torch.float32: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: d
 @dataclass(frozen=True)
 class QuantCase:
     case: Case
-    format: str            # int8_w8a8 | int4_w4a16
-    group: int = 0         # int4 group of w13 and w2 (0: a whole row)
+    format: str            # int8_w8a8 | int4_w4a16 | mxfp4_w4a16
+    group: int = 0         # int4 group of w13 and w2 (0: a whole row); mxfp4's is always 32
     symmetric: bool = True  # int4: zero 8, else zero points
     dtype: torch.dtype = torch.bfloat16
 
     def __str__(self) -> str:
-        fmt = self.format if self.format == "int8_w8a8" else \
+        fmt = self.format if self.format != "int4_w4a16" else \
             f"int4-g{self.group or 'row'}{'' if self.symmetric else '-asym'}"
         return f"{fmt}-{DTYPE_NAMES[self.dtype]}-{self.case}"
 
@@ -244,13 +244,17 @@ QUANT_CASES = [
     QuantCase(Case(MoECase(13, 64, 64, 16, 1), routing="one_expert"), "int8_w8a8", dtype=torch.float32),
     QuantCase(Case(MoECase(15, 128, 128, 16, 1), routing="one_expert"), "int4_w4a16", group=128, dtype=torch.float32),
     QuantCase(Case(MoECase(9, 64, 32, 4, 1), routing="weight_on_input"), "int8_w8a8"),
+    QuantCase(Case(MoECase(1, 64, 32, 4, 2)), "mxfp4_w4a16"),
+    QuantCase(Case(MoECase(5, 64, 32, 3, 1), activation="swigluoai", bias=True), "mxfp4_w4a16", dtype=torch.float32),
+    QuantCase(Case(MoECase(40, 128, 64, 8, 2), routing="skewed"), "mxfp4_w4a16"),
+    QuantCase(Case(MoECase(13, 96, 64, 16, 1), routing="one_expert"), "mxfp4_w4a16", dtype=torch.float32),
 ]
 
 
 def _quantize(w: torch.Tensor, qc: QuantCase):
     from cpumoe.quant import quantize
-    if qc.format == "int8_w8a8":
-        return quantize(w, "int8_w8a8")
+    if qc.format in ("int8_w8a8", "mxfp4_w4a16"):
+        return quantize(w, qc.format)
     return quantize(w, "int4_w4a16", group_size=qc.group or w.shape[-1], symmetric=qc.symmetric)
 
 
