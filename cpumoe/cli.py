@@ -236,6 +236,9 @@ def _add_bench(commands) -> None:
     p.add_argument("--json", metavar="FILE", help="also write every result here")
     p.add_argument("--repeats", type=int, default=3, help="round-robin repetitions of every case (default 3)")
     p.add_argument("--quick", action="store_true", help="one repetition, a smaller bandwidth probe and mm (smoke runs)")
+    p.add_argument("--profile", action="store_true",
+                   help="instead: where a decode step's time goes (experts, dense GEMMs, attention, glue, engine) at "
+                        "each --batch, after a prompt of the first --input-len")
     p.set_defaults(func=_cmd_bench_model)
 
 
@@ -296,6 +299,8 @@ def _cmd_bench_model(args) -> int:
         torch.set_num_threads(args.threads)
     cases = [ModelCase(b, i, o) for b, i, o in itertools.product(args.batch, args.input_len, args.output_len)]
     console = _console()
+    if args.profile:
+        return _profile_model(args, console)
     try:
         if args.repeats < 1:
             raise ValueError("--repeats must be positive")
@@ -310,6 +315,20 @@ def _cmd_bench_model(args) -> int:
     except ValueError as e:  # a checkpoint that is missing, incomplete or not supported
         sys.exit(f"cpumoe bench model: error: {e}")
     (render_formats_report if len(args.model) > 1 else render_model_report)(report, console)
+    _write_json(report, args.json, console)
+    return 0
+
+
+def _profile_model(args, console) -> int:
+    from cpumoe.bench.profile import render_profile, run_profile
+
+    if len(args.model) > 1:
+        sys.exit("cpumoe bench model: error: --profile takes one checkpoint")
+    try:
+        report = run_profile(args.model[0], args.batch, args.input_len[0], dtype=args.dtype)
+    except ValueError as e:
+        sys.exit(f"cpumoe bench model: error: {e}")
+    render_profile(report, console)
     _write_json(report, args.json, console)
     return 0
 
