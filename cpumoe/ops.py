@@ -101,6 +101,21 @@ def route(router_logits: torch.Tensor, top_k: int, *, scoring: str, renormalize:
     return torch.ops.cpumoe.route(router_logits, top_k, scoring, renormalize, bias, routed_scaling_factor)
 
 
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     key_begin: torch.Tensor, key_end: torch.Tensor, scale: float,
+                     sinks: torch.Tensor | None = None, path: str = "") -> torch.Tensor:
+    """q [S, nh, d] (one token per sequence) over caches [blocks, block_size, nkv, d | dv]: each sequence's keys
+    [key_begin, key_end) of its block_table [S, n] (positions over the table), -> [S, nh, dv] in q's dtype.
+    path: one of attention_paths() (default: the first, the fastest here)."""
+    return torch.ops.cpumoe.decode_attention(q, k_cache, v_cache, block_table, key_begin, key_end, scale, sinks,
+                                             path)
+
+
+def attention_paths() -> list[str]:
+    """The kernel paths with a decode attention kernel that can run here, fastest first."""
+    return list(_C.attention_paths())
+
+
 def release_free_memory() -> bool:
     """Return the C allocator's free memory to the OS (glibc malloc_trim); loaders call it between phases."""
     return _C.release_free_memory()
@@ -162,3 +177,8 @@ def _linear_quant_fake(x, w, bias, *, path, format, group_size, out_features):
 def _route_fake(router_logits, top_k, scoring, renormalize, bias, routed_scaling_factor):
     shape = (router_logits.shape[0], top_k)
     return router_logits.new_empty(shape, dtype=torch.float32), router_logits.new_empty(shape, dtype=torch.int32)
+
+
+@torch.library.register_fake("cpumoe::decode_attention")
+def _decode_attention_fake(q, k_cache, v_cache, block_table, key_begin, key_end, scale, sinks, path=""):
+    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[3]))

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpumoe import ops
 from cpumoe.layer import FusedMoE
 from cpumoe.models.prefill_attention import causal_attention
 from cpumoe.models.rope import rope_parameters
@@ -107,6 +108,7 @@ class DecodeBatch:
     block_table [S, n] long        block tables padded (with block 0) to the longest
     valid [S, 1, 1, n * block_size] bool   key positions inside each sequence's context
     lens [S] long                  context lengths (the query is the last token)
+    key_begin, key_end [S] long    the same keys as a range of positions over each table (what the kernel takes)
     """
     token_index: torch.Tensor | None
     block_table: torch.Tensor
@@ -114,6 +116,8 @@ class DecodeBatch:
     seq_rows: list[int]
     lens: torch.Tensor
     block_size: int
+    key_begin: torch.Tensor
+    key_end: torch.Tensor
     _windows: dict = field(default_factory=dict)  # sliding window -> its DecodeBatch (see windowed)
 
     @classmethod
@@ -131,7 +135,7 @@ class DecodeBatch:
         all_rows = len(rows) == len(context.query_lens)
         index = None if all_rows else torch.tensor([starts[i] for i in rows], dtype=torch.long)
         return cls(token_index=index, block_table=table, valid=valid[:, None, None, :], seq_rows=rows, lens=lens,
-                   block_size=block_size)
+                   block_size=block_size, key_begin=torch.zeros_like(lens), key_end=lens)
 
     def windowed(self, window: int) -> "DecodeBatch":
         """The same sequences over their last `window` keys only (sliding-window layers: the query at position
@@ -145,18 +149,29 @@ class DecodeBatch:
             key_pos = first[:, None] * bs + torch.arange(n * bs)[None, :]  # [S, n * bs]
             valid = (key_pos < self.lens[:, None]) & (key_pos >= self.lens[:, None] - window)
             table = self.block_table.gather(1, cols)  # [S, n]
+            key_end = self.lens - first * bs  # positions over the windowed table
             self._windows[window] = DecodeBatch(token_index=self.token_index, block_table=table,
                                                 valid=valid[:, None, None, :], seq_rows=self.seq_rows, lens=self.lens,
-                                                block_size=bs)
+                                                block_size=bs, key_begin=(key_end - window).clamp(min=0),
+                                                key_end=key_end)
         return self._windows[window]
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
                      scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence over its paged context, all sequences at once (GQA without repeating K/V).
-    q [S, nh, d]; caches [num_blocks, block_size, nkv, d] -> [S, nh, d]. Scores, softmax and the weighted sum
-    in float32 (the context of one token is small; K/V are read once either way). sinks [nh]: attention sinks,
-    a per-head logit in the softmax denominator that adds no value (gpt-oss)."""
+    """One query token per sequence over its paged context, all sequences at once (GQA without repeating K/V):
+    the C++ kernel (ops.decode_attention: each K/V row read once from the cache, online softmax in float32).
+    q [S, nh, d]; caches [num_blocks, block_size, nkv, d] -> [S, nh, d]; sinks as decode_attention_reference."""
+    return ops.decode_attention(q.contiguous(), k_cache, v_cache, batch.block_table, batch.key_begin, batch.key_end,
+                                q.shape[-1] ** -0.5 if scale is None else scale,
+                                None if sinks is None else sinks.float().contiguous())
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
+                               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_attention's maths in torch, the reference its kernel is tested against. Scores, softmax and the
+    weighted sum in float32. sinks [nh]: attention sinks, a per-head logit in the softmax denominator that adds
+    no value (gpt-oss)."""
     S, nh, d = q.shape
     nkv, dv = k_cache.shape[2], v_cache.shape[3]
     g, L = nh // nkv, batch.block_table.shape[1] * k_cache.shape[1]

@@ -21,6 +21,23 @@ struct GemmTile {
   int64_t group;              // quantized formats: the format's group size g (quant.h); else unused
 };
 
+// Decode attention over a paged KV cache (attention.h drives it): one query token per sequence, the g = nh /
+// nkv query heads of each KV head together, so every K/V row is read once.
+struct DecodeAttentionArgs {
+  const void* q = nullptr;              // [S][nh][d], dtype
+  const void* k_cache = nullptr;        // [blocks][block_size][nkv][d], dtype
+  const void* v_cache = nullptr;        // [blocks][block_size][nkv][dv], dtype
+  const int64_t* block_table = nullptr; // [S][n] cache blocks of each sequence, in order
+  const int64_t* key_begin = nullptr;   // [S] first key, as a position over the sequence's table (block j, offset o:
+  const int64_t* key_end = nullptr;     // [S] j * block_size + o); keys [key_begin, key_end) are attended
+  const float* sinks = nullptr;         // [nh] a logit in each head's softmax denominator, or nullptr
+  void* out = nullptr;                  // [S][nh][dv], dtype
+  int64_t S = 0, nh = 0, nkv = 0, d = 0, dv = 0, n = 0, block_size = 0;
+  float scale = 1.0f;                   // on q . k
+  DType dtype = DType::kBFloat16;
+};
+using AttentionFn = void (*)(const DecodeAttentionArgs&, int64_t seq, int64_t kv_head);
+
 struct KernelTable {
   const char* name;       // e.g. "x86-avx512bf16"
   Layout layout;
@@ -30,6 +47,8 @@ struct KernelTable {
   void (*w13_tile)(const GemmTile&);
   // w2 tile: out[r][0:out_cols] = (a_r . b + bias) * row_scale[r], float32.
   void (*w2_tile)(const GemmTile&);
+  // out rows of sequence `seq`, heads kv_head * g .. + g - 1; nullptr when the unit has no attention kernel.
+  AttentionFn attention = nullptr;
   bool supports(DType d) const { return (dtype_mask >> int(d)) & 1u; }
 };
 

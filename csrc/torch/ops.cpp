@@ -13,6 +13,7 @@
 #include "../core/membw.h"
 #include "../core/memory.h"
 #include "../core/routing.h"
+#include "../core/attention.h"
 #include "../core/pack.h"
 #include "../core/quant_pack.h"
 
@@ -382,11 +383,79 @@ std::tuple<at::Tensor, at::Tensor> route_op(const at::Tensor& logits, int64_t to
   return {weights, ids};
 }
 
+// One query token per sequence over the paged cache; see attention.h. The block table and key ranges are
+// checked against the cache here: the kernel reads wherever they point.
+at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const at::Tensor& block_table, const at::Tensor& key_begin,
+                               const at::Tensor& key_end, double scale, const std::optional<at::Tensor>& sinks,
+                               const std::string& path) {
+  check_dense(q, "q", 3);
+  check_dense(k_cache, "k_cache", 4);
+  check_dense(v_cache, "v_cache", 4);
+  check_dense(block_table, "block_table", 2);
+  check_dense(key_begin, "key_begin", 1);
+  check_dense(key_end, "key_end", 1);
+  DecodeAttentionArgs a;
+  a.dtype = to_dtype(q, "q");
+  TORCH_CHECK_VALUE(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+                    "k_cache and v_cache must be ", q.scalar_type(), " like q, got ", k_cache.scalar_type(), " and ",
+                    v_cache.scalar_type());
+  a.S = q.size(0), a.nh = q.size(1), a.d = q.size(2);
+  const int64_t blocks = k_cache.size(0);
+  a.block_size = k_cache.size(1), a.nkv = k_cache.size(2), a.dv = v_cache.size(3);
+  TORCH_CHECK_VALUE(k_cache.size(3) == a.d, "k_cache head size ", k_cache.size(3), " differs from q's ", a.d);
+  TORCH_CHECK_VALUE(v_cache.size(0) == blocks && v_cache.size(1) == a.block_size && v_cache.size(2) == a.nkv,
+                    "v_cache ", v_cache.sizes(), " does not match k_cache ", k_cache.sizes());
+  TORCH_CHECK_VALUE(a.nkv > 0 && a.nh % a.nkv == 0, "q's ", a.nh, " heads are not a multiple of the cache's ",
+                    a.nkv, " KV heads");
+  TORCH_CHECK_VALUE(block_table.scalar_type() == at::kLong && key_begin.scalar_type() == at::kLong &&
+                        key_end.scalar_type() == at::kLong,
+                    "block_table, key_begin and key_end must be int64");
+  TORCH_CHECK_VALUE(block_table.size(0) == a.S && key_begin.size(0) == a.S && key_end.size(0) == a.S,
+                    "block_table ", block_table.sizes(), ", key_begin ", key_begin.sizes(), " and key_end ",
+                    key_end.sizes(), " must have q's ", a.S, " sequences");
+  a.n = block_table.size(1);
+  a.block_table = block_table.data_ptr<int64_t>();
+  a.key_begin = key_begin.data_ptr<int64_t>();
+  a.key_end = key_end.data_ptr<int64_t>();
+  for (int64_t s = 0; s < a.S; ++s) {
+    const int64_t b = a.key_begin[s], e = a.key_end[s];
+    TORCH_CHECK_VALUE(0 <= b && b <= e && e <= a.n * a.block_size, "sequence ", s, ": keys [", b, ", ", e,
+                      ") are outside its block table of ", a.n, " x ", a.block_size);
+    for (int64_t j = b / a.block_size; j < (e + a.block_size - 1) / a.block_size; ++j) {
+      const int64_t block = a.block_table[s * a.n + j];
+      TORCH_CHECK_VALUE(0 <= block && block < blocks, "sequence ", s, ": block ", block, " is outside the cache's ",
+                        blocks);
+    }
+  }
+  if (sinks) {
+    check_dense(*sinks, "sinks", 1);
+    TORCH_CHECK_VALUE(sinks->scalar_type() == at::kFloat && sinks->size(0) == a.nh, "sinks must be float32 [", a.nh,
+                      "], got ", sinks->scalar_type(), " ", sinks->sizes());
+    a.sinks = sinks->data_ptr<float>();
+  }
+  a.scale = float(scale);
+  at::Tensor out = at::empty({a.S, a.nh, a.dv}, q.options());
+  a.q = q.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.out = out.data_ptr();
+  const KernelTable* kernel = &attention_kernel();
+  if (!path.empty()) {
+    kernel = &kernel_or_throw(path);
+    TORCH_CHECK_VALUE(kernel->attention, "kernel path '", path, "' has no decode attention");
+  }
+  decode_attention(a, *kernel, torch_parallel());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cpumoe, m) {
   m.def("route(Tensor router_logits, int top_k, str scoring, bool renormalize, Tensor? bias, "
         "float routed_scaling_factor) -> (Tensor, Tensor)");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_begin, "
+        "Tensor key_end, float scale, Tensor? sinks, str path=\"\") -> Tensor");
   m.def("pack_w13(Tensor w13, str path) -> Tensor");
   m.def("pack_w2(Tensor w2, str path) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor? bias, *, str path, int out_features) -> Tensor");
@@ -412,6 +481,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("fused_experts_quant", &fused_experts_quant);
   m.impl("linear_quant", &linear_quant);
   m.impl("route", &route_op);
+  m.impl("decode_attention", &decode_attention_op);
 }
 
 }  // namespace cpumoe
@@ -454,6 +524,17 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("bytes", &cpumoe::ReadBandwidthProbe::bytes);
   m.def("advise_huge_pages", [](const at::Tensor& t) { return cpumoe::advise_huge_pages(t.data_ptr(), t.nbytes()); },
         "Ask for 2 MB pages over a tensor's storage; call before writing it");
+  m.def("attention_path", [] {
+    std::string name;
+    cpumoe::attention_kernel(&name);
+    return name;
+  }, "The kernel path decode_attention runs on by default");
+  m.def("attention_paths", [] {
+    std::vector<std::string> names;
+    for (const cpumoe::KernelInfo& info : cpumoe::kernel_paths())
+      if (info.table && info.table->attention) names.push_back(info.name);
+    return names;
+  }, "The available kernel paths with decode attention, fastest first");
   m.def("release_free_memory", &cpumoe::release_free_memory,
         "Return the allocator's free memory to the OS (malloc_trim); false if nothing was released");
   m.def("measure_read_bandwidth", [](int64_t bytes, int repetitions) {

@@ -1,0 +1,106 @@
+"""The decode attention kernel (ops.decode_attention) against its torch reference (blocks.decode_attention_reference)
+on every path that has one: GQA ratios (one query head per KV head to 20, past the kernel's 16-head groups), head
+sizes that fill and do not fill a vector, V wider than K, block sizes, shuffled block tables, key windows that start
+inside a block, one key, attention sinks; and the inputs it must refuse."""
+import pytest
+import torch
+
+from cpumoe import ops
+from cpumoe.models.blocks import DecodeBatch, decode_attention_reference
+from tests.kernels.tolerances import assert_moe_close
+
+PATHS = ops.attention_paths()
+
+
+def make_case(S, nh, nkv, d, dv, block_size, lens, dtype, window=None, seed=0, sinks=False):
+    g = torch.Generator().manual_seed(seed)
+    n = max(-(-length // block_size) for length in lens)
+    num_blocks = S * n + 3
+    k_cache = torch.randn(num_blocks, block_size, nkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, nkv, dv, generator=g).to(dtype)
+    # each sequence's blocks scattered over the cache, tables padded with block 0
+    order = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(S, n, dtype=torch.long)
+    for s, length in enumerate(lens):
+        used = -(-length // block_size)
+        table[s, :used] = order[s * n:s * n + used]
+    lens_t = torch.tensor(lens, dtype=torch.long)
+    key_end = lens_t
+    key_begin = (lens_t - window).clamp(min=0) if window else torch.zeros_like(lens_t)
+    pos = torch.arange(n * block_size)[None, :]
+    valid = (pos < key_end[:, None]) & (pos >= key_begin[:, None])
+    batch = DecodeBatch(token_index=None, block_table=table, valid=valid[:, None, None, :], seq_rows=list(range(S)),
+                        lens=lens_t, block_size=block_size, key_begin=key_begin, key_end=key_end)
+    q = torch.randn(S, nh, d, generator=g).to(dtype)
+    sink = torch.randn(nh, generator=g) if sinks else None
+    return q, k_cache, v_cache, batch, sink
+
+
+CASES = [  # S, nh, nkv, d, dv, block_size, lens, window, sinks
+    (1, 8, 2, 64, 64, 16, [1], None, False),               # one key
+    (1, 32, 4, 128, 128, 16, [531], None, False),          # qwen3-30b-a3b's heads, an odd context
+    (5, 8, 8, 64, 64, 16, [17, 1, 64, 33, 100], None, False),  # g = 1
+    (3, 20, 1, 80, 80, 7, [40, 13, 77], None, True),       # g = 20 (two head groups), d not a vector multiple
+    (2, 4, 2, 17, 33, 5, [9, 23], None, False),            # odd head sizes, V wider than K
+    (4, 16, 4, 64, 64, 16, [200, 5, 130, 64], 48, True),   # a window starting inside a block, sinks (gpt-oss)
+    (16, 32, 4, 128, 128, 16, [513 + 7 * i for i in range(16)], None, False),  # batch 16
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"S{c[0]}-h{c[1]}x{c[2]}-d{c[3]}v{c[4]}-bs{c[5]}"
+                                                      f"{'-w' + str(c[7]) if c[7] else ''}{'-sinks' if c[8] else ''}")
+def test_matches_reference(path, dtype, case):
+    S, nh, nkv, d, dv, bs, lens, window, sinks = case
+    q, k_cache, v_cache, batch, sink = make_case(S, nh, nkv, d, dv, bs, lens, dtype, window, sinks=sinks)
+    scale = d ** -0.5
+    out = ops.decode_attention(q, k_cache, v_cache, batch.block_table, batch.key_begin, batch.key_end, scale, sink,
+                               path=path)
+    ref = decode_attention_reference(q, k_cache, v_cache, batch, scale=scale, sinks=sink)
+    assert_moe_close(out, ref, dtype, f"{path} {case}")
+
+
+def test_large_scores_stay_finite():
+    """Scores of hundreds (a sharp softmax) must not overflow the running exponentials."""
+    q, k_cache, v_cache, batch, _ = make_case(2, 8, 2, 64, 64, 16, [90, 33], torch.float32)
+    out = ops.decode_attention(q * 40, k_cache, v_cache, batch.block_table, batch.key_begin, batch.key_end, 1.0)
+    ref = decode_attention_reference(q * 40, k_cache, v_cache, batch, scale=1.0)
+    assert torch.isfinite(out).all()
+    assert_moe_close(out, ref, torch.float32)
+
+
+def test_fake_kernel_shape():
+    q, k_cache, v_cache, batch, _ = make_case(2, 4, 2, 16, 24, 4, [5, 9], torch.float32)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        args = [mode.from_tensor(t) for t in (q, k_cache, v_cache, batch.block_table, batch.key_begin, batch.key_end)]
+        out = torch.ops.cpumoe.decode_attention(*args, 0.25, None)
+    assert out.shape == (2, 4, 24) and out.dtype == torch.float32
+
+
+def _args():
+    q, k_cache, v_cache, batch, _ = make_case(2, 8, 2, 32, 32, 4, [6, 11], torch.bfloat16)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=batch.block_table, key_begin=batch.key_begin,
+                key_end=batch.key_end, scale=0.2)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update(k_cache=a["k_cache"].float()), "k_cache and v_cache must be"),
+    (lambda a: a.update(q=a["q"][:, :7].contiguous()), "not a multiple"),
+    (lambda a: a.update(q=a["q"][..., :16].contiguous()), "head size"),
+    (lambda a: a.update(block_table=a["block_table"].int()), "int64"),
+    (lambda a: a.update(key_end=a["key_end"] + 100), "outside its block table"),
+    (lambda a: a.update(key_begin=a["key_end"] + 1), "outside its block table"),
+    (lambda a: a["block_table"].__setitem__((0, 0), 10_000), "outside the cache"),
+    (lambda a: a["block_table"].__setitem__((1, 0), -1), "outside the cache"),
+    (lambda a: a.update(key_end=a["key_end"][:1]), "sequences"),
+    (lambda a: a.update(sinks=torch.zeros(3)), "sinks must be"),
+    (lambda a: a.update(q=a["q"].transpose(0, 1)), "contiguous"),
+    (lambda a: a.update(path="x86-avx512bf16"), "has no decode attention"),
+    (lambda a: a.update(path="x86-avx512vnni"), "cannot run here"),
+])
+def test_bad_input_is_refused(change, message):
+    a = _args()
+    change(a)
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        ops.decode_attention(**a)
