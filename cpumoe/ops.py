@@ -111,6 +111,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                              path)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_in_float: bool = False) -> torch.Tensor:
+    """RMSNorm over x's last dimension in one pass (csrc/core/norm.h): weight * (x / rms(x)), rounded to x's dtype
+    before the weight (Llama, Qwen) or after it (weight_in_float: gpt-oss). weight: x's dtype, [x.shape[-1]]."""
+    return torch.ops.cpumoe.rms_norm(x, weight, eps, weight_in_float)
+
+
 def attention_paths() -> list[str]:
     """The kernel paths with a decode attention kernel that can run here, fastest first."""
     return list(_C.attention_paths())
@@ -182,3 +188,8 @@ def _route_fake(router_logits, top_k, scoring, renormalize, bias, routed_scaling
 @torch.library.register_fake("cpumoe::decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, block_table, key_begin, key_end, scale, sinks, path=""):
     return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[3]))
+
+
+@torch.library.register_fake("cpumoe::rms_norm")
+def _rms_norm_fake(x, weight, eps, weight_in_float=False):
+    return torch.empty_like(x)

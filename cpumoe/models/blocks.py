@@ -19,16 +19,29 @@ from cpumoe.models.prefill_attention import causal_attention
 from cpumoe.models.rope import rope_parameters
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_float: bool = False) -> torch.Tensor:
+    """transformers' RMSNorm: the row normalized in float32, cast to x's dtype before the weight multiplies it
+    (Llama, Qwen), or the weight multiplied in float32 before the cast (weight_in_float: gpt-oss)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_in_float:
+        return (weight.float() * xf).to(x.dtype)
+    return weight * xf.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
+    weight_in_float = False  # see rms_norm_reference
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        if x.dtype != self.weight.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            # dtype promotion is part of the maths here (a float32 weight makes a float32 output): torch's
+            return rms_norm_reference(x, self.weight, self.eps, self.weight_in_float)
+        return ops.rms_norm(x.contiguous(), self.weight, self.eps, weight_in_float=self.weight_in_float)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

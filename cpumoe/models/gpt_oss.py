@@ -99,10 +99,7 @@ class GptOssConfig:
 
 
 class GptOssRMSNorm(RMSNorm):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)  # the weight in float32, then the cast (transformers' order)
+    weight_in_float = True  # the weight in float32, then the cast (transformers' order)
 
 
 class GptOssMoE(MoEBlock):

@@ -14,6 +14,7 @@
 #include "../core/memory.h"
 #include "../core/routing.h"
 #include "../core/attention.h"
+#include "../core/norm.h"
 #include "../core/pack.h"
 #include "../core/quant_pack.h"
 
@@ -449,11 +450,33 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
   return out;
 }
 
+// RMSNorm over x's last dimension; see norm.h.
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps, bool weight_in_float) {
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous CPU tensor");
+  check_dense(weight, "weight", 1);
+  RmsNormArgs a;
+  a.dtype = to_dtype(x, "x");
+  TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type() && weight.size(0) == x.size(-1), "weight must be ",
+                    x.scalar_type(), " [", x.size(-1), "] like x's last dimension, got ", weight.scalar_type(), " ",
+                    weight.sizes());
+  at::Tensor out = at::empty_like(x);
+  a.dim = x.size(-1);
+  a.rows = a.dim ? x.numel() / a.dim : 0;
+  a.eps = float(eps);
+  a.weight_in_float = weight_in_float;
+  a.x = x.data_ptr();
+  a.weight = weight.data_ptr();
+  a.out = out.data_ptr();
+  rms_norm(a, torch_parallel());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cpumoe, m) {
   m.def("route(Tensor router_logits, int top_k, str scoring, bool renormalize, Tensor? bias, "
         "float routed_scaling_factor) -> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool weight_in_float=False) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_begin, "
         "Tensor key_end, float scale, Tensor? sinks, str path=\"\") -> Tensor");
   m.def("pack_w13(Tensor w13, str path) -> Tensor");
@@ -482,6 +505,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("linear_quant", &linear_quant);
   m.impl("route", &route_op);
   m.impl("decode_attention", &decode_attention_op);
+  m.impl("rms_norm", &rms_norm_op);
 }
 
 }  // namespace cpumoe

@@ -1,0 +1,53 @@
+#include "norm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace cpumoe {
+namespace {
+
+constexpr int64_t kRowsPerItem = 16;  // a decode step's few rows stay on the calling thread
+
+// v rounded to dtype and back (float32: itself).
+inline float round_to(float v, DType d) {
+  switch (d) {
+    case DType::kFloat32: return v;
+    case DType::kBFloat16: return bf16_to_f32(f32_to_bf16(v));
+    default: return f16_to_f32(f32_to_f16(v));
+  }
+}
+
+void norm_row(const RmsNormArgs& a, const float* w, int64_t r, float* buf) {
+  const int64_t dim = a.dim;
+  for (int64_t k = 0; k < dim; ++k) buf[k] = load_as_f32(a.x, r * dim + k, a.dtype);
+  float partial[16] = {};  // 16 running sums, so the loop vectorizes
+  int64_t k = 0;
+  for (; k + 16 <= dim; k += 16)
+    for (int j = 0; j < 16; ++j) partial[j] += buf[k + j] * buf[k + j];
+  float sum = 0.0f;
+  for (int j = 0; j < 16; ++j) sum += partial[j];
+  for (; k < dim; ++k) sum += buf[k] * buf[k];
+  const float inv = 1.0f / std::sqrt(sum / float(dim) + a.eps);
+  if (a.weight_in_float)
+    for (int64_t i = 0; i < dim; ++i) buf[i] = w[i] * (buf[i] * inv);
+  else
+    for (int64_t i = 0; i < dim; ++i) buf[i] = w[i] * round_to(buf[i] * inv, a.dtype);
+  store_row(buf, static_cast<char*>(a.out) + r * dim * dtype_size(a.dtype), dim, a.dtype);
+}
+
+}  // namespace
+
+void rms_norm(const RmsNormArgs& a, const Parallel& parallel) {
+  std::vector<float> w(a.dim);
+  for (int64_t k = 0; k < a.dim; ++k) w[k] = load_as_f32(a.weight, k, a.dtype);
+  const int64_t items = (a.rows + kRowsPerItem - 1) / kRowsPerItem;
+  parallel_items(parallel, items, [&](int64_t i) {
+    thread_local std::vector<float> buf;
+    buf.resize(a.dim);
+    for (int64_t r = i * kRowsPerItem; r < std::min(a.rows, (i + 1) * kRowsPerItem); ++r)
+      norm_row(a, w.data(), r, buf.data());
+  });
+}
+
+}  // namespace cpumoe
