@@ -444,6 +444,9 @@ def _add_serve(commands) -> None:
     p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="bf16 (default), fp32 or fp16")
     p.add_argument("--max-model-len", type=int, help="context length: prompt + generated tokens (default: the "
                                                     "model's)")
+    p.add_argument("--allow-long-max-model-len", action="store_true",
+                   help="let --max-model-len exceed the model's max_position_embeddings (positions it was not "
+                        "trained on)")
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: the engine's)")
     defaults = EngineConfig()
     p.add_argument("--kv-cache-gb", type=float, default=round(defaults.kv_cache_bytes / 1e9, 2),
@@ -453,6 +456,8 @@ def _add_serve(commands) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
                    help=f"tokens one engine step runs (decodes + prefill chunks; default "
                         f"{defaults.max_num_batched_tokens})")
+    p.add_argument("--max-request-mb", type=float, default=8.0,
+                   help="larger request bodies are refused with 413 before they are read (default 8)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_cmd_serve)
 
@@ -462,17 +467,37 @@ def _cmd_serve(args) -> int:
         sys.exit(f"cpumoe serve: error: --port must be in 1..65535, got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 2:
         sys.exit(f"cpumoe serve: error: --max-model-len must be at least 2, got {args.max_model_len}")
+    if not 0 < args.max_request_mb < 1e6:
+        sys.exit(f"cpumoe serve: error: --max-request-mb must be positive, got {args.max_request_mb}")
+    _check_kv_cache_gb("serve", args.kv_cache_gb)
     from cpumoe.engine.async_engine import AsyncEngine
-    from cpumoe.server import serve
+    from cpumoe.server.run import bind, serve
 
+    try:   # the port first: one in use fails now, not after the model has loaded
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        sys.exit(f"cpumoe serve: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}")
     try:
         config = EngineConfig(max_model_len=args.max_model_len, kv_cache_bytes=max(1, int(args.kv_cache_gb * 1e9)),
-                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              allow_long_max_model_len=args.allow_long_max_model_len)
         engine = AsyncEngine.from_path(args.model, dtype=args.dtype, config=config, model_name=args.served_model_name)
     except (OSError, ValueError) as e:   # no such checkpoint, a config the engine rejects
         sys.exit(f"cpumoe serve: error: {e}")
-    serve(engine, args.host, args.port, api_key=args.api_key, log_level=args.log_level)
+    serve(engine, args.host, args.port, api_key=args.api_key, log_level=args.log_level, sock=sock,
+          max_request_bytes=int(args.max_request_mb * (1 << 20)))
     return 0
+
+
+def _check_kv_cache_gb(command: str, gb: float) -> None:
+    """A KV cache size that is not a positive finite number, or more than this machine's memory, stops here."""
+    import math
+    if not (math.isfinite(gb) and gb > 0):
+        sys.exit(f"cpumoe {command}: error: --kv-cache-gb must be a positive number, got {gb}")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if gb * 1e9 > total:
+        sys.exit(f"cpumoe {command}: error: --kv-cache-gb {gb} is more than this machine's memory "
+                 f"({total / 1e9:.1f} GB)")
 
 
 # ---- cpumoe generate --------------------------------------------------------------------------------------------
@@ -497,6 +522,7 @@ def _cmd_generate(args) -> int:
 
     from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams
 
+    _check_kv_cache_gb("generate", args.kv_cache_gb)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)

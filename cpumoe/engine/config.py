@@ -12,6 +12,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512      # token budget of one step (decodes + prefill chunks)
     max_num_seqs: int = 64                 # running sequences at most
     max_model_len: int | None = None       # prompt + completion; None: the checkpoint's max_position_embeddings
+    allow_long_max_model_len: bool = False # let max_model_len exceed max_position_embeddings (untrained positions)
     seed: int = 0                          # the engine's generator, for requests without a seed
 
     def __post_init__(self) -> None:

@@ -41,11 +41,26 @@ def _ids(value) -> set[int]:
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
+def _check_max_model_len(model_path: Path, config: EngineConfig) -> None:
+    """A max_model_len past the checkpoint's max_position_embeddings asks for positions the model never saw in
+    training (its RoPE, or YaRN's scaled range, ends there): refused unless allow_long_max_model_len."""
+    try:
+        positions = json.loads((model_path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return   # load_model names what is wrong with the checkpoint
+    if (config.max_model_len is not None and isinstance(positions, int) and config.max_model_len > positions
+            and not config.allow_long_max_model_len):
+        raise ValueError(f"max_model_len {config.max_model_len} is above the model's max_position_embeddings "
+                         f"{positions} (positions it was not trained on); allow it explicitly with "
+                         "allow_long_max_model_len (cpumoe serve --allow-long-max-model-len)")
+
+
 class LLMEngine:
     def __init__(self, model_path: str | Path, *, dtype: torch.dtype | None = None, backend: str = "auto",
                  config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         self.model_path = Path(model_path)
+        _check_max_model_len(self.model_path, config)   # before minutes of loading
         self.model = load_model(model_path, dtype=dtype, backend=backend)
         self.tokenizer = load_tokenizer(model_path)
         mc = self.model.config

@@ -68,11 +68,17 @@ class APIError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status)
 
 
-def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = None) -> FastAPI:
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a prompt that fills a 128k context is a few hundred KB to ~1 MB of JSON
+
+
+def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """max_request_bytes: a larger request body is refused with 413 before it is read whole or parsed."""
     app = FastAPI(title="cpumoe", summary="OpenAI-compatible Mixture-of-Experts inference on CPUs")
     metrics = ServerMetrics(engine.stats)
     app.state.engine, app.state.metrics = engine, metrics
-    if api_key:
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:  # added last, so outermost: a request without the key is refused before its body is read
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
     _add_error_handlers(app)
 
@@ -185,7 +191,8 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body)
-        prompt_ids = completion_prompt(body.prompt)
+        # tokenizing a long prompt takes a while: in a worker thread, so other requests' streams go on
+        prompt_ids = await anyio.to_thread.run_sync(completion_prompt, body.prompt)
         params = sampling_params(body, len(prompt_ids), body.max_tokens, "prompt")
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -215,7 +222,7 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         check_model(body)
-        prompt_ids = chat_prompt(body)
+        prompt_ids = await anyio.to_thread.run_sync(chat_prompt, body)  # off the event loop, as completions
         params = sampling_params(body, len(prompt_ids), body.max_new_tokens(), "messages")
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -289,6 +296,52 @@ class _EventStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+
+
+class _BodyLimitMiddleware:
+    """413 in OpenAI's error format for a body over max_bytes: at once when Content-Length says so, else as soon as
+    the bytes read pass it (a chunked body), before the app parses any of it. Smaller bodies reach the app whole."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = APIError(413, f"the request body is over this server's limit of {self.max_bytes} bytes "
+                                  "(cpumoe serve --max-request-mb)", code="request_too_large")
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await too_large.response()(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":   # the client went away
+                await self.app(scope, _replay([message]), send)
+                return
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await too_large.response()(scope, receive, send)
+                return
+            chunks.append(message)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(chunks, receive), send)
+
+
+def _replay(messages: list[dict], then=None):
+    """An ASGI receive that hands out `messages`, then defers to `then` (e.g. to see a disconnect)."""
+    pending = list(messages)
+
+    async def receive():
+        if pending:
+            return pending.pop(0)
+        if then is not None:
+            return await then()
+        return {"type": "http.disconnect"}
+    return receive
 
 
 class _APIKeyMiddleware:

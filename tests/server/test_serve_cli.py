@@ -59,9 +59,35 @@ def test_serve_subprocess(checkpoint):
 
 
 @pytest.mark.parametrize("flag,value", [("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-1"),
-                                        ("--kv-cache-gb", "0")])
+                                        ("--kv-cache-gb", "0"), ("--kv-cache-gb", "nan"), ("--kv-cache-gb", "inf"),
+                                        ("--kv-cache-gb", "1e9"), ("--max-request-mb", "0")])
 def test_serve_rejects_bad_engine_flags(checkpoint, flag, value):
     with pytest.raises(SystemExit) as info:
-        main(["serve", str(checkpoint), "--port", "8000", flag, value])
-    message = str(info.value.code)
+        main(["serve", str(checkpoint), "--port", str(_free_port()), flag, value])
+    message = str(info.value.code).replace("-", "_")
     assert message.startswith("cpumoe serve: error:") and flag.removeprefix("--").replace("-", "_")[:8] in message
+
+
+def test_serve_takes_its_port_before_loading(tmp_path):
+    """A port in use fails at once: the checkpoint (here there is none) is not even looked at."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as info:
+            main(["serve", str(tmp_path / "no-such-checkpoint"), "--port", str(port)])
+    assert str(info.value.code).startswith(f"cpumoe serve: error: cannot listen on 127.0.0.1:{port}")
+
+
+def test_max_model_len_past_the_trained_positions_needs_consent(checkpoint):
+    import json
+
+    from cpumoe.engine import EngineConfig, LLMEngine
+    positions = json.loads((checkpoint / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLMEngine(checkpoint, config=EngineConfig(max_model_len=positions + 1, num_blocks=4))
+    engine = LLMEngine(checkpoint, config=EngineConfig(max_model_len=positions + 1, allow_long_max_model_len=True,
+                                                       num_blocks=-(-(positions + 1) // 16)))
+    assert engine.max_model_len == positions + 1
+    with pytest.raises(SystemExit, match="max_position_embeddings"):
+        main(["serve", str(checkpoint), "--port", str(_free_port()), "--max-model-len", str(positions + 1)])

@@ -409,3 +409,66 @@ def test_cli_serve_rejects_bad_port(capsys):
     with pytest.raises(SystemExit) as info:
         main(["serve", "some-model", "--port", "0"])
     assert "--port" in str(info.value.code)
+
+
+# ---- one request never stalls another -----------------------------------------------------------------------------
+
+def test_a_body_over_the_limit_is_a_413_and_the_server_serves_on(engine):
+    with running_server(create_app(engine, model_name=MODEL, max_request_bytes=4096)) as url:
+        with httpx.Client(base_url=url, timeout=20) as http:
+            big = {"model": MODEL, "prompt": "word " * 2000, "max_tokens": 1}
+            r = http.post("/v1/completions", json=big)   # Content-Length says so: refused unread
+            assert r.status_code == 413, r.text
+            error = r.json()["error"]
+            assert error["code"] == "request_too_large" and "4096 bytes" in error["message"]
+
+            def chunked():   # no Content-Length: refused once the bytes read pass the limit
+                for _ in range(20):
+                    yield b" " * 1024
+            r = http.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+            ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == " alpha"
+
+
+class _SlowTokenizer:
+    """A tokenizer whose encode and chat template take `seconds` of CPU-bound Python (holding the GIL in slices, as
+    a long prompt's tokenization does)."""
+
+    def __init__(self, inner, seconds: float) -> None:
+        self.inner, self.seconds = inner, seconds
+
+    def _busy(self) -> None:
+        end = time.monotonic() + self.seconds
+        while time.monotonic() < end:
+            sum(range(1000))
+
+    def encode(self, text):
+        self._busy()
+        return self.inner.encode(text)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self._busy()
+        return self.inner.apply_chat_template(*args, **kwargs)
+
+    def __len__(self):
+        return len(self.inner)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "long"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+def test_tokenizing_does_not_stall_other_requests(engine, path, body):
+    slow = FakeEngine(_SlowTokenizer(engine.tokenizer, 2.0))
+    with running_server(create_app(slow, model_name=MODEL)) as url:
+        with httpx.Client(base_url=url, timeout=20) as http:
+            done = []
+            worker = threading.Thread(target=lambda: done.append(
+                http.post(path, json={"model": MODEL, "max_tokens": 1, **body}).status_code))
+            worker.start()
+            time.sleep(0.3)   # the request is tokenizing now
+            t0 = time.monotonic()
+            assert http.get("/health").status_code == 200
+            waited = time.monotonic() - t0
+            worker.join(20)
+    assert done == [200]
+    assert waited < 1.0, f"/health waited {waited:.2f} s behind a 2 s tokenization"
