@@ -1,16 +1,18 @@
 """The OpenAI wire format: request bodies (validated here, so bad input becomes a 400 before the engine sees it) and
 response bodies. Spec: https://platform.openai.com/docs/api-reference (completions, chat, models, errors).
 
-Fields that OpenAI defines but cpumoe does not implement are declared so that asking for them is a clear 400
-(`n` > 1, `best_of` > 1, `logprobs`, `echo`); fields no one here knows about are ignored, as OpenAI clients send
-extras freely. `top_k` and `ignore_eos` are extensions (as in vLLM): top_k 0 or -1 turn it off.
+Fields that OpenAI defines but cpumoe does not implement are declared so that asking for them is a clear 400 that
+names them (`n` > 1, `best_of` > 1, `logprobs`, `top_logprobs`, `echo`, `suffix`, penalties, `logit_bias`, tools
+and function calls, a `response_format` other than text), never a 200 that quietly ignores them; their "off"
+values (0, null, "none", {"type": "text"}) pass, as clients send them by default. Fields no one here knows about
+are ignored, as OpenAI clients send extras freely. `top_k` and `ignore_eos` are extensions (as in vLLM): top_k 0 or -1 turn it off.
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator
 
 
 # ---- errors -----------------------------------------------------------------------------------------------------
@@ -63,6 +65,23 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    presence_penalty: float | None = None             # not implemented: only 0
+    frequency_penalty: float | None = None            # not implemented: only 0
+    logit_bias: dict[str, float] | None = None        # not implemented: only empty
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value not in (None, 0):
+            raise ValueError(f"{info.field_name} is not supported (only 0), got {value}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:
+            raise ValueError("logit_bias is not supported")
+        return bias
 
     @field_validator("n")
     @classmethod
@@ -98,6 +117,14 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix (insertion) is not supported")
+        return suffix
 
     @field_validator("prompt")
     @classmethod
@@ -155,6 +182,40 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)   # the newer name of max_tokens
     logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, top: int | None) -> int | None:
+        if top:
+            raise ValueError("top_logprobs are not supported")
+        return top
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, tools: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        if tools:
+            raise ValueError(f"{info.field_name}: tool and function calling are not supported")
+        return tools
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, choice: Any, info: ValidationInfo) -> Any:
+        if choice not in (None, "none", "auto"):
+            raise ValueError(f"{info.field_name}: tool and function calling are not supported")
+        return choice
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+        if fmt is not None and fmt.get("type") != "text":
+            raise ValueError(f"response_format {fmt.get('type')!r} is not supported (only text)")
+        return fmt
 
     @field_validator("logprobs")
     @classmethod

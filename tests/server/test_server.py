@@ -307,7 +307,31 @@ BAD_REQUESTS = {
                             None),
     "lone-surrogate-stop": ("/v1/completions", json.dumps({**COMPLETION, "stop": ["\ud800"]}).encode(), 400, "stop"),
     "unknown-route": ("/v1/embeddings", COMPLETION, 404, None),
+    # OpenAI fields cpumoe does not implement: a 400 that names them, never a 200 that ignores them
+    "tools": ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+              "tools"),
+    "tool-choice": ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    "functions": ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
+    "json-mode": ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400,
+                  "response_format"),
+    "top-logprobs": ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
+    "chat-logprobs": ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs"),
+    "presence-penalty": ("/v1/completions", {**COMPLETION, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    "frequency-penalty": ("/v1/chat/completions", {**CHAT, "frequency_penalty": -1.0}, 400, "frequency_penalty"),
+    "logit-bias": ("/v1/completions", {**COMPLETION, "logit_bias": {"50256": -100}}, 400, "logit_bias"),
+    "suffix": ("/v1/completions", {**COMPLETION, "suffix": "end"}, 400, "suffix"),
+    "n": ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n"),
 }
+
+
+def test_unimplemented_fields_at_their_off_values_pass(http):
+    """What clients send by default for the fields cpumoe does not implement is accepted."""
+    off = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "n": 1}
+    r = http.post("/v1/chat/completions", json={**CHAT, **off, "tool_choice": "none", "logprobs": False,
+                                                "top_logprobs": 0, "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/completions", json={**COMPLETION, **off, "suffix": None, "echo": False, "best_of": 1})
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS), ids=list(BAD_REQUESTS))
