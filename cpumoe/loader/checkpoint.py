@@ -28,7 +28,26 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory is missing a file, a config key or a tensor."""
+    """A checkpoint directory is missing a file, a config key or a tensor, or holds one that cannot be read."""
+
+
+# config.json keys that, when present, must be integers (not strings, floats or booleans) or numbers: a wrong type
+# would otherwise surface as a TypeError deep inside model construction.
+_INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size", "num_experts",
+             "num_local_experts", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+             "shared_expert_intermediate_size", "decoder_sparse_step", "first_k_dense_replace", "kv_lora_rank",
+             "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group",
+             "sliding_window", "num_nextn_predict_layers")
+_NUMBER_KEYS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+
+
+def read_json(file: Path) -> object:
+    """A JSON file's value; bad JSON or bad UTF-8 is a CheckpointError naming the file."""
+    try:
+        return json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
 
 
 class Checkpoint:
@@ -40,25 +59,47 @@ class Checkpoint:
         config_file = self.path / CONFIG
         if not config_file.is_file():
             raise CheckpointError(f"{config_file} not found: a checkpoint directory needs a {CONFIG}")
-        self.config: dict = json.loads(config_file.read_text())
-        self._file_of: dict[str, str] = self._find_weights()  # tensor name -> shard file name
+        config = read_json(config_file)
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+        self.config: dict = config
+        self._check_config_types()
         self._open: dict[str, object] = {}  # shard file name -> safe_open handle
         self._headers: dict[str, dict] = {}  # shard file name -> its parsed header (read)
+        self._file_of: dict[str, str] = self._find_weights()  # tensor name -> shard file name
+
+    def _check_config_types(self) -> None:
+        for key in _INT_KEYS:
+            value = self.config.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise CheckpointError(f"{self.path / CONFIG}: {key} must be an integer, got {value!r}")
+        for key in _NUMBER_KEYS:
+            value = self.config.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise CheckpointError(f"{self.path / CONFIG}: {key} must be a number, got {value!r}")
 
     def _find_weights(self) -> dict[str, str]:
         index = self.path / INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            data = read_json(index)
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no 'weight_map'")
+            if not all(isinstance(shard, str) for shard in weight_map.values()):
+                raise CheckpointError(f"{index}: every weight_map value must be a shard file name")
+            root = self.path.resolve()
             for shard in sorted(set(weight_map.values())):
+                # a shard is a file of this directory: never a path that leads out of it
+                if Path(shard).name != shard or shard in (".", ".."):
+                    raise CheckpointError(f"{index} names shard {shard!r}: shards must be files of {self.path}")
+                if (self.path / shard).resolve().parent != root:
+                    raise CheckpointError(f"{index} names shard {shard!r}, which leads outside {self.path}")
                 if not (self.path / shard).is_file():
                     raise CheckpointError(f"shard {shard} named in {index} is missing from {self.path}")
             return weight_map
         single = self.path / SINGLE
         if single.is_file():
-            with safe_open(single, framework="pt") as f:
-                return {name: SINGLE for name in f.keys()}
+            return dict.fromkeys(self._header(SINGLE).keys() - {"__metadata__", "__data_start__"}, SINGLE)
         raise CheckpointError(f"no weights in {self.path}: expected {SINGLE} or {INDEX}")
 
     @property
@@ -101,8 +142,12 @@ class Checkpoint:
         if name not in self._file_of:
             raise CheckpointError(f"tensor {name!r} not found in checkpoint {self.path}")
         shard = self._file_of[name]
+        self._entry(shard, name)  # the header is whole and holds the tensor
         if shard not in self._open:
-            self._open[shard] = safe_open(self.path / shard, framework="pt")
+            try:
+                self._open[shard] = safe_open(self.path / shard, framework="pt")
+            except Exception as e:  # safetensors' own error type: a file it cannot map
+                raise CheckpointError(f"{self.path / shard}: not a readable safetensors file ({e})") from None
         return self._open[shard]
 
     def get(self, name: str) -> torch.Tensor:
@@ -117,7 +162,7 @@ class Checkpoint:
         shard = self._file_of.get(name)
         if shard is None:
             raise CheckpointError(f"tensor {name!r} not found in checkpoint {self.path}")
-        entry, data_start = self._header(shard)[name], self._header(shard)["__data_start__"]
+        entry, data_start = self._entry(shard, name), self._header(shard)["__data_start__"]
         dtype, shape = _DTYPES[entry["dtype"]], tuple(entry["shape"])
         begin, end = entry["data_offsets"]
         if index is not None:
@@ -143,14 +188,45 @@ class Checkpoint:
         return out
 
     def _header(self, shard: str) -> dict:
-        """A shard's safetensors header (name -> dtype, shape, data_offsets), with where its data starts."""
+        """A shard's safetensors header (name -> dtype, shape, data_offsets), with where its data starts. A header
+        that is cut short, is not JSON, or describes data past the end of the file is a CheckpointError."""
         if shard not in self._headers:
-            with open(self.path / shard, "rb") as f:
+            file = self.path / shard
+            file_size = file.stat().st_size
+            with open(file, "rb") as f:
                 size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size))
+                if file_size < 8 or size > file_size - 8:
+                    raise CheckpointError(f"{file}: not a safetensors file (its header does not fit the file; "
+                                          "truncated or corrupt)")
+                try:
+                    header = json.loads(f.read(size))
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise CheckpointError(f"{file}: corrupt safetensors header ({e})") from None
+            if not isinstance(header, dict):
+                raise CheckpointError(f"{file}: corrupt safetensors header")
+            data = file_size - 8 - size
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                try:
+                    begin, end = entry["data_offsets"]
+                    known = entry["dtype"] in _DTYPES and isinstance(entry["shape"], list)
+                except (KeyError, TypeError, ValueError):
+                    known = False
+                if not known:
+                    raise CheckpointError(f"{file}: tensor {name!r} has a malformed header entry")
+                if not 0 <= begin <= end <= data:
+                    raise CheckpointError(f"{file} ends inside tensor {name!r} (truncated: {data} data bytes, the "
+                                          f"tensor ends at {end})")
             header["__data_start__"] = 8 + size
             self._headers[shard] = header
         return self._headers[shard]
+
+    def _entry(self, shard: str, name: str) -> dict:
+        header = self._header(shard)
+        if name not in header or name.startswith("__"):
+            raise CheckpointError(f"{self.path / INDEX} places tensor {name!r} in {shard}, which does not hold it")
+        return header[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())

@@ -25,6 +25,8 @@ DeepSeek's absorbed kv_b_proj) is dequantized to the model dtype, and the log sa
 """
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import torch
@@ -70,12 +72,34 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, backend: str 
     ckpt = Checkpoint(path)
     cls = model_class(ckpt.model_type)
     dtype = dtype or ckpt.torch_dtype or torch.float32
+    _check_usable(ckpt)
     config = cls.config_from_checkpoint(ckpt)
     with torch.device("meta"):
         model = cls(config, backend=backend)
     quantized = QuantizedCheckpoint(ckpt)
     load_weights(model, ckpt, dtype, quantized if quantized.format is not None else None, backend)
     return model.eval()
+
+
+def _check_usable(ckpt: Checkpoint) -> None:
+    """What config.json and the tensors say must agree on what a model can run: top-k within the experts, and no
+    weights of layers the config does not have (DeepSeek-V3's multi-token-prediction layers past the last one are
+    counted by num_nextn_predict_layers)."""
+    top_k = ckpt.config_get("num_experts_per_tok", default=None)
+    experts = ckpt.config_get("num_experts", "num_local_experts", "n_routed_experts", default=None)
+    if top_k is not None and experts is not None and not 0 < top_k <= experts:
+        raise CheckpointError(f"{ckpt.path / 'config.json'}: num_experts_per_tok {top_k} must be in 1..{experts}, "
+                              "the number of experts")
+    layers = ckpt.config_get("num_hidden_layers") + (ckpt.config_get("num_nextn_predict_layers", default=0) or 0)
+    extra = sorted({int(m.group(1)) for key in ckpt.keys()
+                    if (m := _LAYER_KEY.match(key)) and int(m.group(1)) >= layers})
+    if extra:
+        raise CheckpointError(f"{ckpt.path} holds weights of layer {extra[0]}"
+                              f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}, but config.json has "
+                              f"num_hidden_layers {ckpt.config_get('num_hidden_layers')}")
+
+
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, quantized: QuantizedCheckpoint | None = None,
@@ -207,7 +231,14 @@ def _read(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         raise CheckpointError(f"tensor {name!r} not found in checkpoint {ckpt.path}")
     if tuple(ckpt.shape(name)) != shape:
         raise CheckpointError(f"tensor {name!r} in {ckpt.path} has shape {list(ckpt.shape(name))}, expected {list(shape)}")
+    _check_float(ckpt, name)
     return ckpt.read(name)
+
+
+def _check_float(ckpt: Checkpoint, name: str) -> None:
+    """Weights are floats: an integer tensor under a float weight's name is a broken checkpoint, not a cast."""
+    if not ckpt.dtype(name).is_floating_point:
+        raise CheckpointError(f"tensor {name!r} in {ckpt.path} is {ckpt.dtype(name)}, where a float weight belongs")
 
 
 def _read_expert(ckpt: Checkpoint, prefix: str, spec: ExpertWeights, shape: tuple[int, ...], dtype: torch.dtype,
@@ -223,6 +254,7 @@ def _read_expert(ckpt: Checkpoint, prefix: str, spec: ExpertWeights, shape: tupl
         if len(part_shape) != 2 or part_shape[1] != shape[1] or row + part_shape[0] > shape[0]:
             raise CheckpointError(f"tensor {name!r} in {ckpt.path} has shape {list(part_shape)}, which does "
                                   f"not fit expert rows [{row}:] of {list(shape)}")
+        _check_float(ckpt, name)
         dst = out[row:row + part_shape[0]]  # contiguous rows
         if ckpt.dtype(name) == dtype:
             ckpt.read(name, out=dst)  # straight from the file
