@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -448,6 +449,9 @@ def _add_serve(commands) -> None:
                    help="let --max-model-len exceed the model's max_position_embeddings (positions it was not "
                         "trained on)")
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: the engine's)")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: /v1/completions takes token-id prompts and answers with token_ids (a "
+                        "checkpoint without a tokenizer is refused unless this is given)")
     defaults = EngineConfig()
     p.add_argument("--kv-cache-gb", type=float, default=round(defaults.kv_cache_bytes / 1e9, 2),
                    help=f"KV cache size in GB, all layers (default {defaults.kv_cache_bytes / 1e9:.2f})")
@@ -470,6 +474,10 @@ def _cmd_serve(args) -> int:
     if not 0 < args.max_request_mb < 1e6:
         sys.exit(f"cpumoe serve: error: --max-request-mb must be positive, got {args.max_request_mb}")
     _check_kv_cache_gb("serve", args.kv_cache_gb)
+    from cpumoe.engine.engine import has_tokenizer
+    if not args.skip_tokenizer_init and Path(args.model).is_dir() and not has_tokenizer(args.model):
+        sys.exit(f"cpumoe serve: error: {args.model} has no tokenizer (tokenizer.json, tokenizer_config.json): every "
+                 "text request would fail; add one, or pass --skip-tokenizer-init to serve token-id prompts")
     from cpumoe.engine.async_engine import AsyncEngine
     from cpumoe.server.run import bind, serve
 
@@ -481,7 +489,8 @@ def _cmd_serve(args) -> int:
         config = EngineConfig(max_model_len=args.max_model_len, kv_cache_bytes=max(1, int(args.kv_cache_gb * 1e9)),
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               allow_long_max_model_len=args.allow_long_max_model_len)
-        engine = AsyncEngine.from_path(args.model, dtype=args.dtype, config=config, model_name=args.served_model_name)
+        engine = AsyncEngine.from_path(args.model, dtype=args.dtype, config=config, model_name=args.served_model_name,
+                                       skip_tokenizer=args.skip_tokenizer_init)
     except (OSError, ValueError) as e:   # no such checkpoint, a config the engine rejects
         sys.exit(f"cpumoe serve: error: {e}")
     serve(engine, args.host, args.port, api_key=args.api_key, log_level=args.log_level, sock=sock,

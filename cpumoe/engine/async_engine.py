@@ -42,8 +42,10 @@ class AsyncEngine:
 
     @classmethod
     def from_path(cls, model_path: str | Path, *, dtype: torch.dtype | None = None, backend: str = "auto",
-                  config: EngineConfig | None = None, model_name: str | None = None) -> "AsyncEngine":
-        return cls(LLMEngine(model_path, dtype=dtype, backend=backend, config=config), model_name=model_name)
+                  config: EngineConfig | None = None, model_name: str | None = None,
+                  skip_tokenizer: bool = False) -> "AsyncEngine":
+        return cls(LLMEngine(model_path, dtype=dtype, backend=backend, config=config, skip_tokenizer=skip_tokenizer),
+                   model_name=model_name)
 
     @property
     def tokenizer(self):

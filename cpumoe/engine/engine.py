@@ -27,9 +27,13 @@ from cpumoe.models import load_model
 log = logging.getLogger(__name__)
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    return any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+
+
 def load_tokenizer(path: str | Path):
     """transformers.AutoTokenizer from the checkpoint directory, or None when it has no tokenizer."""
-    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+    if not has_tokenizer(path):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
@@ -57,12 +61,13 @@ def _check_max_model_len(model_path: Path, config: EngineConfig) -> None:
 
 class LLMEngine:
     def __init__(self, model_path: str | Path, *, dtype: torch.dtype | None = None, backend: str = "auto",
-                 config: EngineConfig | None = None):
+                 config: EngineConfig | None = None, skip_tokenizer: bool = False):
+        """skip_tokenizer: load no tokenizer (prompts are token ids, outputs carry no text)."""
         self.config = config = config or EngineConfig()
         self.model_path = Path(model_path)
         _check_max_model_len(self.model_path, config)   # before minutes of loading
         self.model = load_model(model_path, dtype=dtype, backend=backend)
-        self.tokenizer = load_tokenizer(model_path)
+        self.tokenizer = None if skip_tokenizer else load_tokenizer(model_path)
         mc = self.model.config
         self.dtype = self.model.model.embed_tokens.weight.dtype
         # The ids the model can embed; a tokenizer may know more (added tokens past the embedding's rows).

@@ -99,7 +99,7 @@ class Checkpoint:
             return weight_map
         single = self.path / SINGLE
         if single.is_file():
-            return dict.fromkeys(self._header(SINGLE).keys() - {"__metadata__", "__data_start__"}, SINGLE)
+            return dict.fromkeys(sorted(name for name in self._header(SINGLE) if not name.startswith("__")), SINGLE)
         raise CheckpointError(f"no weights in {self.path}: expected {SINGLE} or {INDEX}")
 
     @property

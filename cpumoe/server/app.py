@@ -89,17 +89,26 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{model_name}`",
                            param="model", code="model_not_found")
 
+    no_tokenizer = engine.tokenizer is None   # cpumoe serve --skip-tokenizer-init: token ids in, token ids out
+
     def completion_prompt(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if no_tokenizer:
+                raise APIError(400, "this server runs without a tokenizer (--skip-tokenizer-init): send the prompt "
+                                    "as token ids", param="prompt")
             return list(engine.tokenizer.encode(prompt))
         # ids both the tokenizer and the model's embedding know (a tokenizer may be larger than the model)
-        vocab = min(len(engine.tokenizer), getattr(engine, "vocab_size", len(engine.tokenizer)))
+        vocab = engine.vocab_size if no_tokenizer else min(len(engine.tokenizer),
+                                                          getattr(engine, "vocab_size", len(engine.tokenizer)))
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
         return list(prompt)
 
     def chat_prompt(body: ChatCompletionRequest) -> list[int]:
+        if no_tokenizer:
+            raise APIError(400, "chat needs the model's tokenizer and this server runs without one "
+                                "(--skip-tokenizer-init); use /v1/completions with token ids", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -112,6 +121,8 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
     def sampling_params(body: SamplingRequest, n_prompt: int, max_tokens: int | None,
                         prompt_param: str) -> SamplingParams:
         limit = engine.max_model_len
+        if no_tokenizer and body.stop_list():
+            raise APIError(400, "stop strings need a tokenizer; this server runs without one", param="stop")
         if n_prompt == 0:
             raise APIError(400, "the prompt is empty", param=prompt_param)
         if n_prompt >= limit:
@@ -157,13 +168,14 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
             timer.finish(finish_reason)
 
     async def collect(raw: Request, request_id: str, prompt_ids: list[int],
-                      params: SamplingParams) -> tuple[str, str | None, Usage]:
-        """A whole non-streaming generation: (text, finish_reason, usage)."""
-        parts, finish_reason, n_generated = [], None, 0
+                      params: SamplingParams) -> tuple[str, str | None, Usage, list[int]]:
+        """A whole non-streaming generation: (text, finish_reason, usage, token ids)."""
+        parts, ids, finish_reason, n_generated = [], [], None, 0
         async with aclosing(outputs(request_id, prompt_ids, params)) as outs:
             try:
                 async for out in outs:
                     parts.append(out.new_text)
+                    ids += out.new_token_ids
                     n_generated = out.completion_tokens or n_generated + len(out.new_token_ids)
                     if out.finished:
                         finish_reason = out.finish_reason or "stop"
@@ -171,7 +183,7 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
                         raise APIError(499, "the client disconnected", code="client_disconnected")
             except ValueError as e:   # the engine refused the request (AsyncEngine.generate documents ValueError)
                 raise APIError(400, str(e)) from None
-        return "".join(parts), finish_reason, _usage(len(prompt_ids), n_generated)
+        return "".join(parts), finish_reason, _usage(len(prompt_ids), n_generated), ids
 
     # ---- endpoints ---------------------------------------------------------------------------------------------
 
@@ -196,9 +208,9 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
         params = sampling_params(body, len(prompt_ids), body.max_tokens, "prompt")
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text: str, finish_reason: str | None) -> CompletionResponse:
-            return CompletionResponse(id=request_id, created=created, model=model_name,
-                                      choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
+        def chunk(text: str, finish_reason: str | None, ids: list[int] | None = None) -> CompletionResponse:
+            choice = CompletionChoice(text=text, finish_reason=finish_reason, token_ids=ids if no_tokenizer else None)
+            return CompletionResponse(id=request_id, created=created, model=model_name, choices=[choice])
 
         if body.stream:
             async def events() -> AsyncIterator[str]:
@@ -206,16 +218,17 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
                 async with aclosing(outputs(request_id, prompt_ids, params)) as outs:
                     async for out in outs:
                         n_generated = out.completion_tokens or n_generated + len(out.new_token_ids)
-                        if out.new_text or out.finished:
-                            yield _sse(chunk(out.new_text, out.finish_reason if out.finished else None))
+                        if out.new_text or out.finished or (no_tokenizer and out.new_token_ids):
+                            yield _sse(chunk(out.new_text, out.finish_reason if out.finished else None,
+                                             out.new_token_ids))
                 if body.include_usage():
                     final = chunk("", None)
                     final.choices, final.usage = [], _usage(len(prompt_ids), n_generated)
                     yield _sse(final)
             return _EventStream(_guarded(events()))
 
-        text, finish_reason, usage = await collect(raw, request_id, prompt_ids, params)
-        response = chunk(text, finish_reason)
+        text, finish_reason, usage, ids = await collect(raw, request_id, prompt_ids, params)
+        response = chunk(text, finish_reason, ids)
         response.usage = usage
         return response
 
@@ -247,7 +260,7 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
                     yield _sse(final)
             return _EventStream(_guarded(events()))
 
-        text, finish_reason, usage = await collect(raw, request_id, prompt_ids, params)
+        text, finish_reason, usage, _ = await collect(raw, request_id, prompt_ids, params)
         return ChatCompletionResponse(id=request_id, created=created, model=model_name, usage=usage,
                                       choices=[ChatChoice(message=AssistantMessage(content=text),
                                                           finish_reason=finish_reason)])

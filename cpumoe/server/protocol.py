@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator,
+                      model_serializer)
 
 
 # ---- errors -----------------------------------------------------------------------------------------------------
@@ -254,6 +255,14 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Any = None
     finish_reason: str | None
+    token_ids: list[int] | None = None   # the generated ids, when the server runs without a tokenizer (as vLLM's)
+
+    @model_serializer(mode="wrap")
+    def _ids_only_when_given(self, handler):
+        data = handler(self)
+        if data.get("token_ids") is None:
+            data.pop("token_ids", None)
+        return data
 
 
 class CompletionResponse(BaseModel):

@@ -97,3 +97,42 @@ def test_token_ids_the_tokenizer_knows_but_the_model_cannot_embed_are_a_400(clie
         client.completions.create(model=MODEL, prompt=[1, len(engine.tokenizer) - 5], max_tokens=2)
     ok = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens == 2
+
+
+def test_a_checkpoint_without_a_tokenizer_is_refused_unless_token_ids_are_asked_for(checkpoint, tmp_path):
+    import shutil
+
+    import httpx
+
+    from cpumoe.cli import main
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(checkpoint, bare)
+    for f in bare.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            f.unlink()
+    with pytest.raises(SystemExit, match="has no tokenizer"):
+        main(["serve", str(bare), "--port", "8123"])
+    prompt = [5, 17, 42, 99, 7]
+    offline = LLMEngine(bare, config=EngineConfig(num_blocks=64, max_model_len=256))
+    expected = offline.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    engine = AsyncEngine.from_path(bare, config=EngineConfig(num_blocks=64, max_model_len=256), model_name=MODEL,
+                                   skip_tokenizer=True)
+    try:
+        with running_server(create_app(engine, model_name=MODEL)) as url, httpx.Client(base_url=url,
+                                                                                        timeout=60) as http:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == expected.new_token_ids
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+                ids = [i for line in s.iter_lines() if line.startswith("data: {")
+                       for i in __import__("json").loads(line[6:])["choices"][0].get("token_ids") or []]
+            assert ids == expected.new_token_ids
+            for bad, param in [({"prompt": "text"}, "prompt"), ({"prompt": prompt, "stop": ["x"]}, "stop"),
+                               ({"prompt": [400]}, "prompt")]:
+                r = http.post("/v1/completions", json={**body, **bad})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    finally:
+        engine.shutdown()
