@@ -455,24 +455,24 @@ def test_a_body_over_the_limit_is_a_413_and_the_server_serves_on(engine):
             assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == " alpha"
 
 
-class _SlowTokenizer:
-    """A tokenizer whose encode and chat template take `seconds` of CPU-bound Python (holding the GIL in slices, as
-    a long prompt's tokenization does)."""
+class _BlockingTokenizer:
+    """A tokenizer whose encode and chat template block until the test releases them (as a long prompt's
+    tokenization keeps its thread busy); `entered` is set once a call is blocking."""
 
-    def __init__(self, inner, seconds: float) -> None:
-        self.inner, self.seconds = inner, seconds
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.entered, self.released = threading.Event(), threading.Event()
 
-    def _busy(self) -> None:
-        end = time.monotonic() + self.seconds
-        while time.monotonic() < end:
-            sum(range(1000))
+    def _block(self) -> None:
+        self.entered.set()
+        assert self.released.wait(30), "never released"
 
     def encode(self, text):
-        self._busy()
+        self._block()
         return self.inner.encode(text)
 
     def apply_chat_template(self, *args, **kwargs):
-        self._busy()
+        self._block()
         return self.inner.apply_chat_template(*args, **kwargs)
 
     def __len__(self):
@@ -482,17 +482,19 @@ class _SlowTokenizer:
 @pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "long"}),
                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
 def test_tokenizing_does_not_stall_other_requests(engine, path, body):
-    slow = FakeEngine(_SlowTokenizer(engine.tokenizer, 2.0))
-    with running_server(create_app(slow, model_name=MODEL)) as url:
+    """While one request's tokenization is busy, /health answers: tokenization runs off the event loop (on it,
+    /health could not answer until the tokenizer is released, which happens only after /health has answered)."""
+    tokenizer = _BlockingTokenizer(engine.tokenizer)
+    with running_server(create_app(FakeEngine(tokenizer), model_name=MODEL)) as url:
         with httpx.Client(base_url=url, timeout=20) as http:
             done = []
             worker = threading.Thread(target=lambda: done.append(
                 http.post(path, json={"model": MODEL, "max_tokens": 1, **body}).status_code))
             worker.start()
-            time.sleep(0.3)   # the request is tokenizing now
-            t0 = time.monotonic()
-            assert http.get("/health").status_code == 200
-            waited = time.monotonic() - t0
-            worker.join(20)
+            assert tokenizer.entered.wait(20)
+            try:
+                assert http.get("/health", timeout=5).status_code == 200
+            finally:
+                tokenizer.released.set()
+                worker.join(20)
     assert done == [200]
-    assert waited < 1.0, f"/health waited {waited:.2f} s behind a 2 s tokenization"

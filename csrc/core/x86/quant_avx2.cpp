@@ -85,12 +85,9 @@ struct Int4Dot {
     const int64_t Kp = t.k, g = t.group;
     const float* meta = reinterpret_cast<const float*>(b + 32 * Kp);  // per group: scale[64], zero[64]
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const int32_t* a[R];
-    const int32_t* sums[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = static_cast<const int32_t*>(t.a_rows[r]);
-      sums[r] = qx86::a8_sums(t.a_rows[r], Kp);
-    }
+    const qx86::A8Rows<R> rows(t);
+    const auto& a = rows.a;
+    const auto& sums = rows.sums;
     float ys[R][64];
     for (int v0 = 0; v0 < 8; v0 += V) {
       __m256 tot[R][V];
@@ -219,12 +216,9 @@ struct Mxfp4Dot {
     alignas(16) int8_t table[16];
     for (int q = 0; q < 16; ++q) table[q] = int8_t(kMxfp4Twice[q] + kMxfp4Offset);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
-    const int32_t* a[R];
-    const int32_t* sums[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = static_cast<const int32_t*>(t.a_rows[r]);
-      sums[r] = qx86::a8_sums(t.a_rows[r], Kp);
-    }
+    const qx86::A8Rows<R> rows(t);
+    const auto& a = rows.a;
+    const auto& sums = rows.sums;
     float ys[R][64];
     for (int v0 = 0; v0 < 8; v0 += V) {
       __m256 tot[R][V];

@@ -73,14 +73,12 @@ struct Int4Dot {
     const int64_t Kp = t.k, g = t.group;
     const float* meta = reinterpret_cast<const float*>(b + 32 * Kp);  // per group: scale[64], zero[64]
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const int32_t* a[R];
-    const int32_t* sums[R];
+    const qx86::A8Rows<R> rows(t);
+    const auto& a = rows.a;
+    const auto& sums = rows.sums;
     __m512 tot[R][4];
-    for (int r = 0; r < R; ++r) {
-      a[r] = static_cast<const int32_t*>(t.a_rows[r]);
-      sums[r] = qx86::a8_sums(t.a_rows[r], Kp);
+    for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) tot[r][c] = _mm512_setzero_ps();
-    }
     for (int64_t k0 = 0; k0 < Kp; k0 += g) {
       // The next group's scales and zeros lie past the codes, off the stream the prefetch above follows.
       if (k0 + g < Kp) prefetch_lines<R>(meta + 128 * ((k0 + g) / g), 8, 0);
@@ -132,14 +130,12 @@ struct Mxfp4Dot {
     alignas(16) int8_t table[16];
     for (int q = 0; q < 16; ++q) table[q] = int8_t(kMxfp4Twice[q] + kMxfp4Offset);
     const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
-    const int32_t* a[R];
-    const int32_t* sums[R];
+    const qx86::A8Rows<R> rows(t);
+    const auto& a = rows.a;
+    const auto& sums = rows.sums;
     __m512 tot[R][4];
-    for (int r = 0; r < R; ++r) {
-      a[r] = static_cast<const int32_t*>(t.a_rows[r]);
-      sums[r] = qx86::a8_sums(t.a_rows[r], Kp);
+    for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) tot[r][c] = _mm512_setzero_ps();
-    }
     for (int64_t G = 0; G < Kp / kMxfp4Group; ++G) {
       prefetch_lines<R>(exps + 64 * G, 1, 64);  // the next group's exponents
       __m512i acc[R][4];

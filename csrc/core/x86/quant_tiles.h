@@ -42,6 +42,19 @@ static inline int32_t a8_sum(const int32_t* sums, int64_t k0, int64_t k1) {
   return s;
 }
 
+// A tile's R activation rows, read as k-quads (int32 words of four int8 codes), with their per-32 sums.
+template <int R>
+struct A8Rows {
+  const int32_t* a[R];
+  const int32_t* sums[R];
+  explicit A8Rows(const GemmTile& t) {
+    for (int r = 0; r < R; ++r) {
+      a[r] = static_cast<const int32_t*>(t.a_rows[r]);
+      sums[r] = a8_sums(t.a_rows[r], t.k);
+    }
+  }
+};
+
 template <template <int> class Dot, DType Out, int R>
 static void w13_rows(const GemmTile& t) {
   simd::f32x16 y[R][4];
