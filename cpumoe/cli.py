@@ -460,6 +460,9 @@ def _add_serve(commands) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
                    help=f"tokens one engine step runs (decodes + prefill chunks; default "
                         f"{defaults.max_num_batched_tokens})")
+    p.add_argument("--max-connections", type=int, default=1000,
+                   help="connections served at once; beyond them a 503 (default 1000; slow headers time out after "
+                        "10 s, idle kept-alive connections after 5 s)")
     p.add_argument("--max-request-mb", type=float, default=8.0,
                    help="larger request bodies are refused with 413 before they are read (default 8)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -471,6 +474,8 @@ def _cmd_serve(args) -> int:
         sys.exit(f"cpumoe serve: error: --port must be in 1..65535, got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 2:
         sys.exit(f"cpumoe serve: error: --max-model-len must be at least 2, got {args.max_model_len}")
+    if args.max_connections < 1:
+        sys.exit(f"cpumoe serve: error: --max-connections must be positive, got {args.max_connections}")
     if not 0 < args.max_request_mb < 1e6:
         sys.exit(f"cpumoe serve: error: --max-request-mb must be positive, got {args.max_request_mb}")
     _check_kv_cache_gb("serve", args.kv_cache_gb)
@@ -494,7 +499,7 @@ def _cmd_serve(args) -> int:
     except (OSError, ValueError) as e:   # no such checkpoint, a config the engine rejects
         sys.exit(f"cpumoe serve: error: {e}")
     serve(engine, args.host, args.port, api_key=args.api_key, log_level=args.log_level, sock=sock,
-          max_request_bytes=int(args.max_request_mb * (1 << 20)))
+          max_request_bytes=int(args.max_request_mb * (1 << 20)), max_connections=args.max_connections)
     return 0
 
 

@@ -2,11 +2,90 @@
 connections share it)."""
 from __future__ import annotations
 
+import logging
+import resource
 import socket
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cpumoe.server.app import DEFAULT_MAX_REQUEST_BYTES, EngineClient, create_app
+
+log = logging.getLogger("cpumoe.server")
+
+HEADER_TIMEOUT_S = 10.0    # from a connection's opening (or its last response) to a request's complete headers
+IDLE_TIMEOUT_S = 5.0       # a kept-alive connection with no request
+DEFAULT_MAX_CONNECTIONS = 1000
+
+
+class HeaderTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request line and headers have not all arrived within
+    header_timeout seconds of its opening or of its previous response. A client that sends half a header and
+    stops would otherwise hold its socket (and a file descriptor) for as long as it likes; enough of them lock
+    everyone out."""
+    header_timeout = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_timer()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if not self._waiting_for_headers() and self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def connection_lost(self, exc) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        if getattr(self, "_header_timer", None) is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._on_header_timeout)
+
+    def _waiting_for_headers(self) -> bool:
+        """No request in progress: none yet, or the last one has been answered."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if self._waiting_for_headers() and not self.transport.is_closing():
+            log.info("closing a connection that sent no complete request in %.0f s", self.header_timeout)
+            self.transport.close()
+
+
+def raise_open_file_limit() -> int:
+    """Raises this process's soft limit on open files to its hard limit (the common soft limit, 1024, is what a
+    flood of connections exhausts first). Returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def server_config(app, host: str, port: int, *, log_level: str = "info",
+                  max_connections: int = DEFAULT_MAX_CONNECTIONS) -> uvicorn.Config:
+    """uvicorn's settings for cpumoe: slow headers and idle connections time out, and at most max_connections
+    are served at once (beyond that a 503), kept below the open-file limit."""
+    fd_limit = raise_open_file_limit()
+    if max_connections > fd_limit - 64:
+        log.warning("--max-connections %d lowered to %d: the open-file limit is %d", max_connections,
+                    max(1, fd_limit - 64), fd_limit)
+        max_connections = max(1, fd_limit - 64)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                          http=HeaderTimeoutH11, timeout_keep_alive=IDLE_TIMEOUT_S, limit_concurrency=max_connections)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -25,12 +104,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(engine: EngineClient, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
           api_key: str | None = None, log_level: str = "info", sock: socket.socket | None = None,
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
     """Serve `engine` at http://host:port/v1 until interrupted (on `sock` when given, from bind(host, port)).
     `model_name` (default: the engine's) is the name clients must send as `model`."""
     app = create_app(engine, model_name=model_name or engine.model_name, api_key=api_key,
                      max_request_bytes=max_request_bytes)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    config = server_config(app, host, port, log_level=log_level, max_connections=max_connections)
     try:
         uvicorn.Server(config).run(sockets=[sock or bind(host, port)])
     finally:

@@ -8,12 +8,13 @@ import uvicorn
 
 
 @contextlib.contextmanager
-def running_server(app):
+def running_server(app, config: uvicorn.Config | None = None):
+    """config: uvicorn's settings (default: its defaults, quiet); its host and port are ignored."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(config or uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

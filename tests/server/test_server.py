@@ -498,3 +498,35 @@ def test_tokenizing_does_not_stall_other_requests(engine, path, body):
                 tokenizer.released.set()
                 worker.join(20)
     assert done == [200]
+
+
+def test_half_open_connections_are_closed_and_slow_answers_are_not(engine, monkeypatch):
+    """A client that sends part of a header and stops is disconnected after the header timeout, on a new connection
+    and on a kept-alive one; a response that takes longer than the timeout is not cut."""
+    import socket
+
+    from cpumoe.server.run import HeaderTimeoutH11, server_config
+    monkeypatch.setattr(HeaderTimeoutH11, "header_timeout", 0.2)
+    app = create_app(engine, model_name=MODEL)
+    with running_server(app, server_config(app, "127.0.0.1", 0, log_level="warning")) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as half_open:
+            half_open.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-")
+            assert half_open.recv(1) == b""   # closed by the server, not a recv timeout
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as kept:
+            kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+            kept.sendall(b"GET /health HTTP/1.1\r\nHo")
+            assert kept.recv(1) == b""
+        with httpx.Client(base_url=url, timeout=20) as http:   # 250 words at 2 ms: longer than the timeout
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 250})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 250
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_limit():
+    import resource
+
+    from cpumoe.server.run import raise_open_file_limit
+    soft = raise_open_file_limit()
+    now, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft == now and (now == hard or hard == resource.RLIM_INFINITY)
