@@ -22,6 +22,7 @@ from cpumoe.engine.kv_cache import KVCache, KVCacheLayout
 from cpumoe.engine.runner import ModelRunner
 from cpumoe.engine.sampling import FAILED, make_generator
 from cpumoe.engine.scheduler import ScheduledBatch, Scheduler, Sequence
+from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.models import load_model
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,13 @@ def load_tokenizer(path: str | Path):
     if not has_tokenizer(path):
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises whatever the broken file provokes (KeyError, JSON, type errors)
+        files = ", ".join(f for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+                          if (Path(path) / f).is_file())
+        raise CheckpointError(f"{path}: the tokenizer ({files}) cannot be loaded: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")) from None
 
 
 def _ids(value) -> set[int]:
@@ -65,9 +72,12 @@ class LLMEngine:
         """skip_tokenizer: load no tokenizer (prompts are token ids, outputs carry no text)."""
         self.config = config = config or EngineConfig()
         self.model_path = Path(model_path)
-        _check_max_model_len(self.model_path, config)   # before minutes of loading
-        self.model = load_model(model_path, dtype=dtype, backend=backend)
+        # what fails fast, before minutes of loading: config.json and the weight headers, the context length, the
+        # tokenizer (which reads config.json too: checked first, so its errors name the right file)
+        Checkpoint(self.model_path)
+        _check_max_model_len(self.model_path, config)
         self.tokenizer = None if skip_tokenizer else load_tokenizer(model_path)
+        self.model = load_model(model_path, dtype=dtype, backend=backend)
         mc = self.model.config
         self.dtype = self.model.model.embed_tokens.weight.dtype
         # The ids the model can embed; a tokenizer may know more (added tokens past the embedding's rows).

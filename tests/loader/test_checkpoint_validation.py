@@ -92,3 +92,18 @@ def test_broken_checkpoint_is_refused_naming_what(source, tmp_path, case):
 
 def test_the_source_loads(source):
     assert load_model(source) is not None
+
+
+@pytest.mark.parametrize("file, text", [("tokenizer.json", '{"model": {"type": "BPE"}}'),   # the wrong schema
+                                        ("tokenizer.json", "{not json"),
+                                        ("tokenizer_config.json", '{"tokenizer_class": 5}')])
+def test_a_broken_tokenizer_is_refused_naming_it(source, tmp_path, file, text):
+    from cpumoe.engine import EngineConfig, LLMEngine
+    d = tmp_path / "ckpt"
+    shutil.copytree(source, d)
+    (d / file).write_text(text)
+    with pytest.raises(CheckpointError, match="the tokenizer .* cannot be loaded") as info:
+        LLMEngine(d, config=EngineConfig(num_blocks=8))
+    assert file in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(SystemExit, match="cpumoe generate: error: .* the tokenizer"):
+        main(["generate", str(d), "--prompt", "Hi", "--max-tokens", "1"])
