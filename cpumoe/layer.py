@@ -86,6 +86,9 @@ class FusedMoE(nn.Module):
                                                                 _checked_quantized(expert_reader, w13, w2),
                                                                 w13_bias, w2_bias)
         elif expert_reader is None:
+            if w13.is_meta or w2.is_meta:
+                raise ValueError("w13 and w2 are meta tensors (shapes without data): pass real weights, or an "
+                                 "expert_reader that reads each expert's")
             self.prepared = self.path.prepare(w13, w2, w13_bias, w2_bias)
         else:
             self.prepared = self.path.prepare_experts(local_experts, _checked(expert_reader, w13, w2), w13_bias,

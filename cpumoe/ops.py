@@ -139,6 +139,17 @@ def measure_read_bandwidth(nbytes: int = 1 << 30, repetitions: int = 5) -> tuple
 ReadBandwidthProbe = _C.ReadBandwidthProbe
 
 
+def _no_meta_weights(data: torch.Tensor, **weights: torch.Tensor | None) -> None:
+    """Real activations against meta weights reach the fake kernel (the meta dispatch key wins), which would answer
+    with uninitialized memory: refuse. All-meta inputs (shape tracing) and FakeTensorMode (whose tensors report
+    their real device) pass."""
+    if data.device.type != "meta":
+        empty = [name for name, w in weights.items() if w is not None and w.device.type == "meta"]
+        if empty:
+            raise ValueError(f"{', '.join(empty)} {'is a meta tensor' if len(empty) == 1 else 'are meta tensors'} "
+                             f"(shapes without data) while the activations are on {data.device}: load real weights")
+
+
 @torch.library.register_fake("cpumoe::pack_w13")
 def _pack_w13_fake(w13, path):
     (blocks, elems), _ = packed_shapes(w13.shape[2], w13.shape[1] // 2, path)
@@ -153,12 +164,14 @@ def _pack_w2_fake(w2, path):
 
 @torch.library.register_fake("cpumoe::linear")
 def _linear_fake(x, w, bias, *, path, out_features):
+    _no_meta_weights(x, w=w, bias=bias)
     return x.new_empty((*x.shape[:-1], out_features))
 
 
 @torch.library.register_fake("cpumoe::fused_experts")
 def _fused_experts_fake(hidden_states, w13, w2, topk_weights, topk_ids, *, path, activation, w13_bias=None,
                         w2_bias=None, expert_map=None, apply_router_weight_on_input=False):
+    _no_meta_weights(hidden_states, w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
     return torch.empty_like(hidden_states)
 
 
@@ -171,25 +184,30 @@ def _pack_quant_fake(qweight, scales, zeros, *, format, group_size, w13):
 @torch.library.register_fake("cpumoe::fused_experts_quant")
 def _fused_experts_quant_fake(hidden_states, w13, w2, topk_weights, topk_ids, *, path, format, group_size, activation,
                               w13_bias=None, w2_bias=None, expert_map=None, apply_router_weight_on_input=False):
+    _no_meta_weights(hidden_states, w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
     return torch.empty_like(hidden_states)
 
 
 @torch.library.register_fake("cpumoe::linear_quant")
 def _linear_quant_fake(x, w, bias, *, path, format, group_size, out_features):
+    _no_meta_weights(x, w=w, bias=bias)
     return x.new_empty((*x.shape[:-1], out_features))
 
 
 @torch.library.register_fake("cpumoe::route")
 def _route_fake(router_logits, top_k, scoring, renormalize, bias, routed_scaling_factor):
+    _no_meta_weights(router_logits, e_score_correction_bias=bias)
     shape = (router_logits.shape[0], top_k)
     return router_logits.new_empty(shape, dtype=torch.float32), router_logits.new_empty(shape, dtype=torch.int32)
 
 
 @torch.library.register_fake("cpumoe::decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, block_table, key_begin, key_end, scale, sinks, path=""):
+    _no_meta_weights(q, k_cache=k_cache, v_cache=v_cache, sinks=sinks)
     return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[3]))
 
 
 @torch.library.register_fake("cpumoe::rms_norm")
 def _rms_norm_fake(x, weight, eps, weight_in_float=False):
+    _no_meta_weights(x, weight=weight)
     return torch.empty_like(x)
