@@ -17,11 +17,14 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
+from rich.table import Table
 from torch import nn
 
+from cpumoe.bench.model import ModelCase, engine_config
+from cpumoe.engine import LLMEngine, SamplingParams
 from cpumoe.layer import FusedMoE
 from cpumoe.models import blocks
 from cpumoe.models.packed_linear import PackedLinear, QuantizedLinear
@@ -122,8 +125,6 @@ class StepProfile:
 
 def profile_decode(engine, batch: int, input_len: int, steps: int = 16, seed: int = 0) -> StepProfile:
     """Prefills `batch` random prompts of input_len tokens, then alternates plain and profiled decode steps."""
-    from cpumoe.engine import SamplingParams
-
     vocab = engine.model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=2 * steps + 4, temperature=0, ignore_eos=True)
@@ -156,11 +157,6 @@ def profile_decode(engine, batch: int, input_len: int, steps: int = 16, seed: in
 
 def run_profile(model_path, batches, input_len: int, *, dtype: torch.dtype | None = None, steps: int = 16) -> dict:
     """The decode-step profile of one checkpoint at each batch size (prompts of input_len tokens)."""
-    from dataclasses import asdict
-
-    from cpumoe.bench.model import ModelCase, engine_config
-    from cpumoe.engine import LLMEngine
-
     cases = [ModelCase(b, input_len, 2 * steps + 4) for b in batches]
     engine = LLMEngine(model_path, dtype=dtype, config=engine_config(cases))
     profile_decode(engine, min(batches), input_len, steps=2)  # warm-up
@@ -170,8 +166,6 @@ def run_profile(model_path, batches, input_len: int, *, dtype: torch.dtype | Non
 
 
 def render_profile(report: dict, console) -> None:
-    from rich.table import Table
-
     table = Table(title=f"decode step profile: {report['model']}, {report['threads']} threads, prompts of "
                         f"{report['input_len']} tokens (ms per step, median of the profiled steps; share of the step)",
                   title_justify="left")

@@ -52,13 +52,10 @@ def _ids(value) -> set[int]:
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
-def _check_max_model_len(model_path: Path, config: EngineConfig) -> None:
+def _check_max_model_len(hf_config: dict, config: EngineConfig) -> None:
     """A max_model_len past the checkpoint's max_position_embeddings asks for positions the model never saw in
     training (its RoPE, or YaRN's scaled range, ends there): refused unless allow_long_max_model_len."""
-    try:
-        positions = json.loads((model_path / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return   # load_model names what is wrong with the checkpoint
+    positions = hf_config.get("max_position_embeddings")
     if (config.max_model_len is not None and isinstance(positions, int) and config.max_model_len > positions
             and not config.allow_long_max_model_len):
         raise ValueError(f"max_model_len {config.max_model_len} is above the model's max_position_embeddings "
@@ -74,8 +71,8 @@ class LLMEngine:
         self.model_path = Path(model_path)
         # what fails fast, before minutes of loading: config.json and the weight headers, the context length, the
         # tokenizer (which reads config.json too: checked first, so its errors name the right file)
-        Checkpoint(self.model_path)
-        _check_max_model_len(self.model_path, config)
+        hf_config = Checkpoint(self.model_path).config
+        _check_max_model_len(hf_config, config)
         self.tokenizer = None if skip_tokenizer else load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=dtype, backend=backend)
         mc = self.model.config
@@ -83,7 +80,6 @@ class LLMEngine:
         # The ids the model can embed; a tokenizer may know more (added tokens past the embedding's rows).
         self.vocab_size = self.model.model.embed_tokens.weight.shape[0]
 
-        hf_config = json.loads((self.model_path / "config.json").read_text())
         self.eos_token_ids = _ids(hf_config.get("eos_token_id"))
         gen_config = self.model_path / "generation_config.json"
         if gen_config.is_file():

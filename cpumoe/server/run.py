@@ -57,7 +57,7 @@ class HeaderTimeoutH11(H11Protocol):
     def _on_header_timeout(self) -> None:
         self._header_timer = None
         if self._waiting_for_headers() and not self.transport.is_closing():
-            log.info("closing a connection that sent no complete request in %.0f s", self.header_timeout)
+            log.debug("closing a connection that sent no complete request in %.0f s", self.header_timeout)
             self.transport.close()
 
 

@@ -548,11 +548,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("bytes", &cpumoe::ReadBandwidthProbe::bytes);
   m.def("advise_huge_pages", [](const at::Tensor& t) { return cpumoe::advise_huge_pages(t.data_ptr(), t.nbytes()); },
         "Ask for 2 MB pages over a tensor's storage; call before writing it");
-  m.def("attention_path", [] {
-    std::string name;
-    cpumoe::attention_kernel(&name);
-    return name;
-  }, "The kernel path decode_attention runs on by default");
   m.def("attention_paths", [] {
     std::vector<std::string> names;
     for (const cpumoe::KernelInfo& info : cpumoe::kernel_paths())
