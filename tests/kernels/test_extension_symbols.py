@@ -25,26 +25,34 @@ def test_no_unnamed_namespace_symbol_is_shared_between_units():
     assert not shared, "symbols from unnamed namespaces merged across units:\n" + "\n".join(shared[:10])
 
 
+_RELEASE_CHECK = """
+import torch
+from cpumoe import ops
+
+def rss_kb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+ops.release_free_memory()
+# 64 KB buffers (below glibc's mmap threshold, so on the heap), each followed by a small live one: once freed
+# they are holes free() cannot give back; only a trim can.
+buffers, pins = [], []
+for _ in range(1600):  # ~100 MB
+    buffers.append(torch.ones(1 << 14))
+    pins.append(torch.ones(16))
+del buffers
+before = rss_kb()
+assert isinstance(ops.release_free_memory(), bool)
+after = rss_kb()
+assert after < before - 50_000, f"malloc_trim returned less than half of 100 MB of freed heap: {before} -> {after} KB"
+"""
+
+
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_release_free_memory_hands_a_freed_buffer_back():
-    """The loader's malloc_trim between phases: a freed heap buffer leaves the resident set."""
-    import torch
+    """The loader's malloc_trim between phases: a freed heap buffer leaves the resident set. In a fresh process, so
+    that what earlier tests left in this one's heap cannot change how much there is to trim."""
+    import sys
 
-    from cpumoe import ops
-
-    def rss_kb():
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
-
-    ops.release_free_memory()
-    # 64 KB buffers (below glibc's mmap threshold, so on the heap), each followed by a small live one: once freed
-    # they are holes free() cannot give back, whatever the heap held before; only a trim can.
-    buffers, pins = [], []
-    for _ in range(1600):  # ~100 MB
-        buffers.append(torch.ones(1 << 14))
-        pins.append(torch.ones(16))
-    del buffers
-    before = rss_kb()
-    assert isinstance(ops.release_free_memory(), bool)
-    assert rss_kb() < before - 50_000, "malloc_trim returned less than half of 100 MB of freed heap"
-    del pins
+    done = subprocess.run([sys.executable, "-c", _RELEASE_CHECK], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
