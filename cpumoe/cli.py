@@ -94,6 +94,18 @@ def _positive_ints(text: str) -> list[int]:
     return values
 
 
+def _speculative(text: str):
+    from cpumoe.engine.config import SpeculativeConfig
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+SPECULATIVE_HELP = ('speculative decoding, as vLLM\'s flag takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                    '"prompt_lookup_max": 3}\' or \'{"method": "draft", "model": DIR, "num_speculative_tokens": 4}\'')
+
+
 def _names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
@@ -237,6 +249,13 @@ def _add_bench(commands) -> None:
     p.add_argument("--json", metavar="FILE", help="also write every result here")
     p.add_argument("--repeats", type=int, default=3, help="round-robin repetitions of every case (default 3)")
     p.add_argument("--quick", action="store_true", help="one repetition, a smaller bandwidth probe and mm (smoke runs)")
+    p.add_argument("--speculative-config", type=_speculative, action="append", metavar="JSON",
+                   help="instead: speculative decoding against none, same run; repeatable. " + SPECULATIVE_HELP)
+    p.add_argument("--speculative-k", type=_positive_ints, metavar="K,K",
+                   help="with --speculative-config: each config at each of these num_speculative_tokens")
+    p.add_argument("--prompt", type=_names, default=["random"],
+                   help="with --speculative-config: prompt kinds, comma-separated: random (default), repeated (a "
+                        "32-token phrase over and over)")
     p.add_argument("--profile", action="store_true",
                    help="instead: where a decode step's time goes (experts, dense GEMMs, attention, glue, engine) at "
                         "each --batch, after a prompt of the first --input-len")
@@ -302,6 +321,8 @@ def _cmd_bench_model(args) -> int:
     console = _console()
     if args.profile:
         return _profile_model(args, console)
+    if args.speculative_config:
+        return _speculative_model(args, cases, console)
     try:
         if args.repeats < 1:
             raise ValueError("--repeats must be positive")
@@ -316,6 +337,27 @@ def _cmd_bench_model(args) -> int:
     except ValueError as e:  # a checkpoint that is missing, incomplete or not supported
         sys.exit(f"cpumoe bench model: error: {e}")
     (render_formats_report if len(args.model) > 1 else render_model_report)(report, console)
+    _write_json(report, args.json, console)
+    return 0
+
+
+def _speculative_model(args, cases, console) -> int:
+    from cpumoe.bench.speculative import PROMPT_KINDS, render_speculative_report, run_speculative_bench, with_k
+
+    try:
+        if len(args.model) > 1:
+            raise ValueError("--speculative-config takes one checkpoint")
+        unknown = sorted(set(args.prompt) - set(PROMPT_KINDS))
+        if unknown:
+            raise ValueError(f"unknown --prompt {', '.join(unknown)} (known: {', '.join(PROMPT_KINDS)})")
+        if args.repeats < 1:
+            raise ValueError("--repeats must be positive")
+        report = run_speculative_bench(args.model[0], cases, with_k(args.speculative_config, args.speculative_k),
+                                       prompt_kinds=args.prompt, dtype=args.dtype,
+                                       repeats=1 if args.quick else args.repeats, progress=Console(stderr=True))
+    except ValueError as e:
+        sys.exit(f"cpumoe bench model: error: {e}")
+    render_speculative_report(report, console)
     _write_json(report, args.json, console)
     return 0
 
@@ -460,6 +502,7 @@ def _add_serve(commands) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
                    help=f"tokens one engine step runs (decodes + prefill chunks; default "
                         f"{defaults.max_num_batched_tokens})")
+    p.add_argument("--speculative-config", type=_speculative, metavar="JSON", help=SPECULATIVE_HELP)
     p.add_argument("--max-connections", type=int, default=1000,
                    help="connections served at once; beyond them a 503 (default 1000; slow headers time out after "
                         "10 s, idle kept-alive connections after 5 s)")
@@ -493,7 +536,8 @@ def _cmd_serve(args) -> int:
     try:
         config = EngineConfig(max_model_len=args.max_model_len, kv_cache_bytes=max(1, int(args.kv_cache_gb * 1e9)),
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                              allow_long_max_model_len=args.allow_long_max_model_len)
+                              allow_long_max_model_len=args.allow_long_max_model_len,
+                              speculative=args.speculative_config)
         engine = AsyncEngine.from_path(args.model, dtype=args.dtype, config=config, model_name=args.served_model_name,
                                        skip_tokenizer=args.skip_tokenizer_init)
     except (OSError, ValueError) as e:   # no such checkpoint, a config the engine rejects
@@ -528,6 +572,7 @@ def _add_generate(commands) -> None:
     p.add_argument("--dtype", type=_dtype, help="weights and KV cache dtype (default: the checkpoint's)")
     p.add_argument("--backend", default="auto", help="experts path (default: the oracle's choice)")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GB (default 1)")
+    p.add_argument("--speculative-config", type=_speculative, metavar="JSON", help=SPECULATIVE_HELP)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -540,7 +585,7 @@ def _cmd_generate(args) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)
-        config = EngineConfig(kv_cache_bytes=max(1, int(args.kv_cache_gb * 1e9)))
+        config = EngineConfig(kv_cache_bytes=max(1, int(args.kv_cache_gb * 1e9)), speculative=args.speculative_config)
         engine = LLMEngine(args.model, dtype=args.dtype, backend=args.backend, config=config)
         prompt_ids = engine.encode(args.prompt, chat=args.chat)
         engine.add_request("cli", prompt_ids, params)
@@ -559,4 +604,9 @@ def _cmd_generate(args) -> int:
     decode = f", decode {(n - 1) / (end - first):.1f} tokens/s" if first is not None and n > 1 and end > first else ""
     print(f"[{n} tokens in {end - start:.2f} s: {n / (end - start):.1f} tokens/s; prompt {len(prompt_ids)} tokens, "
           f"first token {(first or end) - start:.3f} s{decode}; finish {out.finish_reason if out else '-'}]")
+    stats = engine.stats()
+    if "draft_tokens" in stats:
+        rate = stats["accepted_tokens"] / stats["draft_tokens"] if stats["draft_tokens"] else 0.0
+        print(f"[speculative: {stats['accepted_tokens']} of {stats['draft_tokens']} drafts accepted ({rate:.0%}) "
+              f"in {stats['verify_steps']} verifying steps]")
     return 0

@@ -141,10 +141,12 @@ class AsyncEngine:
                 continue
             t = time.perf_counter()
             for out in outputs:
-                if out.new_token_ids:
+                # a step can give a request several tokens (accepted drafts): each is a token to the hooks
+                first = out.completion_tokens - len(out.new_token_ids) + 1
+                for n in range(first, first + len(out.new_token_ids)):
                     for hook in self.on_token:
                         try:
-                            hook(out.request_id, out.completion_tokens == 1, t)
+                            hook(out.request_id, n == 1, t)
                         except Exception:
                             log.exception("on_token hook failed")
                 # a request that failed alone (its sampling or detokenization) ends as a failed step would

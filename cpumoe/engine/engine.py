@@ -1,7 +1,9 @@
 """LLMEngine: requests in, RequestOutputs out, one step at a time.
 
     add_request(id, prompt_token_ids, params) -> Sequence -> Scheduler.waiting
-    step():  schedule() -> ScheduledBatch  ->  run(): ModelRunner (KV cache, model, Sampler) -> token per sampling seq
+    step():  [propose(): drafts for decoding sequences, with speculative decoding]
+             schedule() -> ScheduledBatch  ->  run(): ModelRunner (KV cache, model, Sampler or verification)
+             -> new tokens per sampling seq (one; with drafts, the accepted drafts and one more)
              -> postprocess(): append, detokenize, finish (eos / stop token / stop string -> "stop";
                 max_tokens or max_model_len -> "length"), free finished sequences' blocks -> [RequestOutput]
     abort(id): frees the blocks at once; the next step() reports it with finish_reason "abort".
@@ -16,12 +18,13 @@ from pathlib import Path
 import torch
 
 from cpumoe.engine.api import RequestOutput, SamplingParams
-from cpumoe.engine.config import EngineConfig
+from cpumoe.engine.config import EngineConfig, SpeculativeConfig
 from cpumoe.engine.detokenize import IncrementalDetokenizer
 from cpumoe.engine.kv_cache import KVCache, KVCacheLayout
 from cpumoe.engine.runner import ModelRunner
 from cpumoe.engine.sampling import FAILED, make_generator
-from cpumoe.engine.scheduler import ScheduledBatch, Scheduler, Sequence
+from cpumoe.engine.scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
+from cpumoe.engine.speculative import draft_budget, make_proposer
 from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.models import load_model
 
@@ -109,8 +112,31 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.num_tokens_processed = 0   # tokens run through the model (prefill + decode)
         self.num_tokens_generated = 0
+        self.num_draft_tokens = 0       # speculative decoding: drafts verified, and how many were accepted
+        self.num_accepted_tokens = 0
+        self.num_verify_steps = 0       # sequence-steps that verified at least one draft
+        self.speculative, self.proposer = None, None
+        self._draft_args = dict(vocab_size=self.vocab_size, dtype=dtype, backend=backend,
+                                kv_cache_bytes=config.kv_cache_bytes, block_size=config.block_size)
+        self.set_speculative(config.speculative)
         log.info("engine: %s, %d KV blocks x %d tokens, max_model_len %d", self.model_path.name, num_blocks,
                  config.block_size, max_len)
+
+    def make_proposer(self, speculative: SpeculativeConfig):
+        """The proposer speculative asks for, for this engine's model (a draft model is loaded here)."""
+        return make_proposer(speculative, **self._draft_args)
+
+    def set_speculative(self, speculative: SpeculativeConfig | None, proposer=None) -> None:
+        """Speculative decoding on (or off, with None) from the next step; proposer: one made already for the same
+        method and draft (benchmarks reuse one draft model across k). Between requests: drafts in flight are
+        dropped."""
+        if speculative is not None and proposer is None:
+            proposer = self.make_proposer(speculative)
+        self.speculative, self.proposer = speculative, proposer if speculative is not None else None
+        for seq in self.seqs.values():
+            seq.spec_token_ids, seq.spec_probs = [], None
+        if speculative is not None:
+            log.info("speculative decoding: %s, %d tokens", speculative.method, speculative.num_speculative_tokens)
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
@@ -154,35 +180,59 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self.proposer is not None:
+            self.propose()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
         tokens = self.runner.run(batch)
         return outputs + self.postprocess(batch, tokens)
 
-    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[RequestOutput]:
+    def propose(self) -> None:
+        """Drafts for every running sequence that decodes next (its prompt is in the cache)."""
+        k = self.speculative.num_speculative_tokens
+        seqs = [s for s in self.scheduler.running
+                if s.status is SequenceStatus.RUNNING and s.num_computed_tokens == s.num_tokens - 1]
+        self.proposer.propose(seqs, [draft_budget(s, k, self.max_model_len) for s in seqs])
+
+    def postprocess(self, batch: ScheduledBatch, tokens: list[list[int]]) -> list[RequestOutput]:
         outputs = []
         sampled = iter(tokens)
         self.num_tokens_processed += batch.num_tokens
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        for i, (seq, n, drafts) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.drafts)):
             samples = batch.samples(i)
-            seq.num_computed_tokens += n
+            seq.spec_token_ids, seq.spec_probs = [], None
             if not samples:
+                seq.num_computed_tokens += n
                 continue
-            token = next(sampled)
+            new_tokens = next(sampled)
+            # the cache holds the sequence's tokens and the drafts accepted (all new tokens but the last)
+            seq.num_computed_tokens += n - len(drafts) + len(new_tokens) - 1
+            if drafts:
+                self.num_verify_steps += 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += len(new_tokens) - 1
+            out = self._append(seq, new_tokens)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _append(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput | None:
+        """Append a step's tokens to seq one by one until it finishes; what the step gives its client."""
+        text, appended, reason = "", [], None
+        for token in new_tokens:
             if token == FAILED:
-                outputs.append(self._fail(seq, "sampling failed: the model's logits hold NaN or leave no token"))
-                continue
+                return self._fail(seq, "sampling failed: the model's logits hold NaN or leave no token")
             seq.token_ids.append(token)
+            appended.append(token)
             self.num_tokens_generated += 1
             try:
-                text, hit_stop = seq.detokenizer.add(token) if seq.detokenizer is not None else ("", False)
+                piece, hit_stop = seq.detokenizer.add(token) if seq.detokenizer is not None else ("", False)
             except Exception as e:  # noqa: BLE001  (this request's tokenizer state; the batch goes on)
                 log.exception("detokenizing request %s failed", seq.request_id)
-                outputs.append(self._fail(seq, f"detokenization failed: {e}"))
-                continue
+                return self._fail(seq, f"detokenization failed: {e}")
+            text += piece
             p = seq.params
-            reason = None
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids or hit_stop:
                 reason = "stop"
             elif seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -192,9 +242,9 @@ class LLMEngine:
                     text += seq.detokenizer.finish()  # what it held back as a possible stop-string start
                 self.scheduler.finish(seq, reason)
                 del self.seqs[seq.request_id]
-            seq.output_text += text
-            outputs.append(self._output(seq, [token], text, finished=reason is not None))
-        return outputs
+                break
+        seq.output_text += text
+        return self._output(seq, appended, text, finished=reason is not None)
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         """Ends seq alone with finish_reason "error"; the rest of the batch goes on."""
@@ -243,5 +293,9 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         bm = self.scheduler.block_manager
-        return dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                    kv_blocks_used=bm.num_used, kv_blocks_total=bm.num_blocks)
+        stats = dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                     kv_blocks_used=bm.num_used, kv_blocks_total=bm.num_blocks)
+        if self.proposer is not None:
+            stats.update(draft_tokens=self.num_draft_tokens, accepted_tokens=self.num_accepted_tokens,
+                         verify_steps=self.num_verify_steps)
+        return stats

@@ -1,9 +1,10 @@
 """The model runner: a ScheduledBatch -> flat input ids + AttentionContext -> model -> logits of the sequences
-that sample this step -> Sampler -> one token id each.
+that sample this step -> Sampler (or, for sequences with drafts, speculative verification) -> their new tokens.
 
-    input_ids [T] = seq 0's new tokens | seq 1's new tokens | ...   (T = batch.num_tokens)
+    input_ids [T] = seq 0's new tokens | seq 1's new tokens | ...   (T = batch.num_tokens; a sequence's drafts
+                    follow its last known token)
     positions [T], slot_mapping [T]: from each sequence's num_computed_tokens and block table
-    logits_indices [B]: the last new token of each sampling sequence
+    logits_indices: the last new token of each sampling sequence, and the positions of its drafts before it
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from cpumoe.engine.kv_cache import KVCache
+from cpumoe.engine.rejection_sampling import verify
 from cpumoe.engine.sampling import Sampler
 from cpumoe.engine.scheduler import ScheduledBatch
 from cpumoe.models.blocks import AttentionContext
@@ -27,29 +29,39 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_lens, context_lens, tables, logits_indices = [], [], [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        for i, (seq, n, drafts) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.drafts)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.token_ids[start:end - len(drafts)])
+            ids.extend(drafts)
             positions.extend(range(start, end))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(n)
             context_lens.append(end)
             tables.append(torch.tensor(seq.block_table[:-(-end // bs)], dtype=torch.long))
             if batch.samples(i):
-                logits_indices.append(len(ids) - 1)
+                logits_indices.extend(range(len(ids) - 1 - len(drafts), len(ids)))
         context = AttentionContext(positions=torch.tensor(positions, dtype=torch.long), query_lens=query_lens,
                                    context_lens=context_lens, slot_mapping=torch.tensor(slots, dtype=torch.long),
                                    block_tables=tables, kv_caches=self.kv_cache.layers)
         return torch.tensor(ids, dtype=torch.long), context, logits_indices
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """Compute the batch's new tokens into the cache; the sampled token of each sampling sequence, in order."""
+    def logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Compute the batch's new tokens into the cache; float32 logits [R, V] at the logits_indices rows."""
         input_ids, context, logits_indices = self.prepare(batch)
-        logits = self.model(input_ids, context=context,
-                            logits_indices=torch.tensor(logits_indices, dtype=torch.long))  # [B, V] float32
-        if not logits_indices:
+        return self.model(input_ids, context=context, logits_indices=torch.tensor(logits_indices, dtype=torch.long))
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[list[int]]:
+        """Compute the batch's new tokens into the cache; per sampling sequence, in order, its new tokens: the one
+        sampled, or with drafts the drafts verification accepted and the target's own token after them."""
+        logits = self.logits(batch)                                             # [R, V] float32
+        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        if not sampling:
             return []
-        sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-        tokens = self.sampler.sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        return tokens.tolist()
+        seqs = [batch.seqs[i] for i in sampling]
+        if not any(batch.drafts[i] for i in sampling):
+            tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            return [[t] for t in tokens.tolist()]
+        return verify(logits, [batch.drafts[i] for i in sampling], [s.spec_probs for s in seqs],
+                      [s.params for s in seqs], [s.generator for s in seqs])

@@ -49,6 +49,15 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -
     return x.masked_fill(remove, float("-inf"))
 
 
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: logits [R, V] / temperature -> top-k -> top-p -> softmax, float32
+    [R, V]. For rows that sample (temperature >= GREEDY_EPS); NaN logits give NaN rows."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)  # [R, 1]
+    x = logits.float() / temperature                                                               # [R, V]
+    x = _filter_top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params])
+    return x.softmax(dim=-1)
+
+
 class Sampler:
     """Stateless; the engine keeps one generator per request (make_generator) and passes them in row order."""
 
@@ -72,11 +81,7 @@ class Sampler:
             out[greedy_rows] = logits[greedy_rows].argmax(dim=-1).masked_fill(nan_rows[greedy_rows], FAILED)
 
         rows = [i for i in range(B) if not greedy[i]]
-        row_params = [params[i] for i in rows]
-        temperature = torch.tensor([p.temperature for p in row_params], dtype=torch.float32).unsqueeze(1)
-        x = logits[rows] / temperature                                                # [R, V]
-        x = _filter_top_k_top_p(x, [p.top_k for p in row_params], [p.top_p for p in row_params])
-        probs = x.softmax(dim=-1)                                                     # [R, V]
+        probs = probabilities(logits[rows], [params[i] for i in rows])               # [R, V]
         # A row whose logits hold NaN or are all -inf has no distribution: it gets FAILED (its request alone
         # fails) instead of failing the multinomial draw of the whole batch.
         valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)           # [R]

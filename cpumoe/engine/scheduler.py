@@ -43,6 +43,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     output_text: str = ""                  # text emitted so far
+    spec_token_ids: list[int] = field(default_factory=list)  # drafted tokens for the next step (speculative)
+    spec_probs: torch.Tensor | None = None  # [k, V]: the draft's distribution at each draft; None: point masses
 
     @property
     def num_tokens(self) -> int:
@@ -60,8 +62,18 @@ class Sequence:
 @dataclass(slots=True)
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]              # per sequence: tokens computed this step
+    num_new_tokens: list[int]              # per sequence: tokens computed this step, its drafts included
+    drafts: list[list[int]] = field(default_factory=list)  # per sequence: the drafts among them (last)
     preempted: list[Sequence] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.drafts:
+            self.drafts = [[] for _ in self.seqs]
+
+    def add(self, seq: Sequence, num_new_tokens: int, drafts: list[int] | None = None) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        self.drafts.append(drafts or [])
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +82,7 @@ class ScheduledBatch:
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its last token this step (so a token is sampled for it)."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens[i] - len(self.drafts[i]) == seq.num_tokens
 
 
 class Scheduler:
@@ -97,6 +109,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # a decode's drafts come after its token, as far as the budget and the free blocks allow
+            drafts = seq.spec_token_ids[:budget - 1] if n == 1 else []
+            if drafts and not bm.can_allocate(seq, seq.num_tokens + len(drafts)):
+                drafts = []
+            seq.spec_token_ids = drafts
+            n += len(drafts)
             while not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -105,8 +123,7 @@ class Scheduler:
                     break
             else:
                 bm.allocate(seq, seq.num_computed_tokens + n)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
+                batch.add(seq, n, drafts)
                 budget -= n
                 i += 1
                 continue
@@ -123,8 +140,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            batch.add(seq, n)
             budget -= n
         return batch
 
@@ -132,6 +148,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids, seq.spec_probs = [], None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

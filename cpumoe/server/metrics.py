@@ -2,7 +2,8 @@
 
     per request:  RequestTimer(arrival) -> output(n_new) per engine output -> finish(reason)
                   -> TTFT, inter-token latency and end-to-end histograms, prompt/generation token counters
-    at scrape:    engine.stats() -> running / waiting requests and KV blocks gauges
+    at scrape:    engine.stats() -> running / waiting requests and KV blocks gauges; with speculative decoding,
+                  drafted / accepted token counters
 
 Names follow the Prometheus conventions (`_seconds`, counters exposed with `_total`), prefixed `cpumoe_`.
 """
@@ -12,7 +13,7 @@ import time
 from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # Buckets in seconds: CPU decode steps run from a few ms (small models) to seconds (large batches, long prompts).
@@ -35,6 +36,12 @@ class _EngineStatsCollector(Collector):
                 ("kv_blocks_used", "cpumoe_kv_blocks_used", "KV cache blocks in use"),
                 ("kv_blocks_total", "cpumoe_kv_blocks_total", "KV cache blocks in all")):
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        for key, name, doc in (  # with speculative decoding only
+                ("draft_tokens", "cpumoe_spec_decode_num_draft_tokens", "Drafted tokens verified"),
+                ("accepted_tokens", "cpumoe_spec_decode_num_accepted_tokens", "Drafted tokens accepted"),
+                ("verify_steps", "cpumoe_spec_decode_num_verify_steps", "Sequence-steps that verified drafts")):
+            if key in stats:
+                yield CounterMetricFamily(name, doc, value=float(stats[key]))
 
 
 class ServerMetrics:

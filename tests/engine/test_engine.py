@@ -126,7 +126,7 @@ def test_a_failing_request_fails_alone(synthetic):
     def nan_for_one(batch):  # the second sampling row gets NaN logits, as a broken model would give
         tokens = run(batch)
         ids = [s.request_id for i, s in enumerate(batch.seqs) if batch.samples(i)]
-        return [-1 if rid == "bad-logits" else t for rid, t in zip(ids, tokens)]
+        return [[-1] if rid == "bad-logits" else t for rid, t in zip(ids, tokens)]
     e.runner.run = nan_for_one
     finished, good_tokens = {}, []
     while e.has_unfinished():

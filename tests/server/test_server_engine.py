@@ -136,3 +136,32 @@ def test_a_checkpoint_without_a_tokenizer_is_refused_unless_token_ids_are_asked_
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     finally:
         engine.shutdown()
+
+
+def test_speculative_serving_streams_the_same_text_and_counts_drafts(checkpoint):
+    """`--speculative-config` through the server: a streamed greedy completion (several tokens in some chunks) is
+    the text without speculation, and /metrics counts the drafts."""
+    import httpx
+
+    from cpumoe.engine.config import SpeculativeConfig
+
+    prompt = "one two three one two three one two three one two"
+    offline = LLMEngine(checkpoint, config=EngineConfig(num_blocks=64, max_model_len=256))
+    expected = offline.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    engine = AsyncEngine.from_path(checkpoint, config=EngineConfig(num_blocks=64, max_model_len=256, speculative=spec),
+                                   model_name=MODEL)
+    try:
+        with running_server(create_app(engine, model_name=MODEL)) as url:
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60) as c:
+                chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}))
+            text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+            assert text == expected.new_text
+            metrics = httpx.get(f"{url}/metrics").text
+    finally:
+        engine.shutdown()
+    stats = engine.stats()
+    assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
+    assert f"cpumoe_spec_decode_num_accepted_tokens_total {float(stats['accepted_tokens'])}" in metrics
+    assert f"cpumoe_spec_decode_num_draft_tokens_total {float(stats['draft_tokens'])}" in metrics
