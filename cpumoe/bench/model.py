@@ -107,7 +107,10 @@ class WeightBytes:
 
 
 def weight_bytes(engine: LLMEngine) -> WeightBytes:
-    model = engine.model
+    return model_weight_bytes(engine.model, kv_per_token=_kv_bytes_per_token(engine))
+
+
+def model_weight_bytes(model: torch.nn.Module, *, kv_per_token: int) -> WeightBytes:
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     embed = model.model.embed_tokens.weight
     # Parameters, plus the projections packed for cpumoe's kernels (a buffer each; routers keep `.weight` too).
@@ -126,7 +129,7 @@ def weight_bytes(engine: LLMEngine) -> WeightBytes:
     return WeightBytes(dense_elems=dense_elems, expert_elems=3 * b.hidden_size * b.inter_size, dense=dense,
                        expert=(prepared.w13.nbytes + prepared.w2.nbytes) // b.num_experts,
                        moe_layers=len(blocks), experts=b.num_experts,
-                       top_k=b.top_k, kv_per_token=_kv_bytes_per_token(engine),
+                       top_k=b.top_k, kv_per_token=kv_per_token,
                        head_elems=model.config.vocab_size * model.config.hidden_size)
 
 

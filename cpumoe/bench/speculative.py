@@ -11,7 +11,8 @@
                          step over k + 1 tokens reads more of them than a step over one, the cost speculation pays
                          in an MoE model (MoE-Inference-Bench's speculative-decoding study)
       bound              what speculation could gain if a step cost its bytes: tokens per step x bytes of a plain
-                         step / bytes of a verification step (dense weights + the experts it read + KV)
+                         step / (bytes of a verification step (dense weights + the experts it read + KV) + a draft
+                         model's k single-token steps)
       speed-up           decode tok/s over the no-speculation run of the same repetition
 Greedy tokens with and without speculation must agree; the report says whether they did.
 """
@@ -28,7 +29,8 @@ from rich.console import Console
 from rich.table import Table
 
 from cpumoe.bench.machine import cpu_model
-from cpumoe.bench.model import ExpertCounter, ModelCase, WeightBytes, engine_config, weight_bytes, weights_format
+from cpumoe.bench.model import (ExpertCounter, ModelCase, WeightBytes, engine_config, model_weight_bytes, weight_bytes,
+                                weights_format)
 from cpumoe.engine import LLMEngine
 from cpumoe.engine.api import SamplingParams
 from cpumoe.engine.config import SpeculativeConfig
@@ -113,10 +115,16 @@ def run_speculative_bench(model_path, cases: Sequence[ModelCase], configs: Seque
     weights = weight_bytes(engine)
     proposers: dict[tuple, object] = {}
     setups: list[tuple[SpeculativeConfig | None, object]] = [(None, None)]
+    draft_weights: dict[str, WeightBytes] = {}
     for c in configs:
         key = (c.method, c.model, c.prompt_lookup_min, c.prompt_lookup_max)
         if key not in proposers:
             proposers[key] = engine.make_proposer(c)
+            if c.model is not None:
+                draft = proposers[key].runner.kv_cache
+                draft_weights[c.model] = model_weight_bytes(
+                    proposers[key].model, kv_per_token=draft.layout.bytes_per_token(
+                        num_layers=len(draft.layers), dtype=draft.layers[0][0].dtype))
         setups.append((c, proposers[key]))
     vocab = engine.model.config.vocab_size
     runs: dict[tuple, list[tuple[dict, list]]] = {}
@@ -147,9 +155,14 @@ def run_speculative_bench(model_path, cases: Sequence[ModelCase], configs: Seque
                                     input_len=case.input_len, output_len=case.output_len, prompt=kind,
                                     same_tokens=all(r[1] == b[1] for r, b in zip(rs, base)), **median)
                 plain_bytes = statistics.median(b[0]["step_bytes"] for b in base)
+                drafting = 0.0
+                if config is not None and config.model is not None:
+                    context = case.input_len + case.output_len / 2
+                    drafting = config.num_speculative_tokens * draft_weights[config.model].decode_step_bytes(
+                        case.batch, context)
                 results.append(dict(asdict(result), speedup=statistics.median(speedups),
-                                    speedup_min=speedups[0], speedup_max=speedups[-1],
-                                    bound=result.tokens_per_step * plain_bytes / result.step_bytes))
+                                    speedup_min=speedups[0], speedup_max=speedups[-1], draft_bytes=drafting,
+                                    bound=result.tokens_per_step * plain_bytes / (result.step_bytes + drafting)))
     return dict(model=str(model_path), weights_format=weights_format(engine), cpu=cpu_model(),
                 threads=torch.get_num_threads(), repeats=repeats,
                 configs=[None if c is None else asdict(c) for c, _ in setups], results=results)
@@ -164,7 +177,8 @@ def render_speculative_report(report: dict, console: Console) -> None:
     console.print(f"[bold]{report['model']}[/]  weights [bold]{report['weights_format']}[/]  CPU {report['cpu']}  "
                   f"threads {report['threads']}  greedy, {report['repeats']} repetitions (speed-up: median and range "
                   f"over them, against no speculation in the same repetition)")
-    table = Table(title="speculative decoding (bound: tokens per step x plain-step bytes / verification-step bytes)",
+    table = Table(title="speculative decoding (bound: tokens per step x plain-step bytes / (verification-step bytes + "
+                        "drafting bytes))",
                   title_justify="left")
     for name in ("batch", "in", "out", "prompt", "method", "k", "accepted", "tokens/step", "experts/layer",
                  "decode tok/s", "speed-up", "range", "bound", "same tokens"):

@@ -33,8 +33,9 @@ def draft_budget(seq: Sequence, k: int, max_model_len: int) -> int:
 # ---- proposers --------------------------------------------------------------------------------------------------
 
 class NgramProposer:
-    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (n from prompt_lookup_max
-    down to prompt_lookup_min) and propose the tokens that followed it."""
+    """Prompt lookup: find an earlier occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min) and propose the k tokens that followed it: the latest occurrence that k tokens follow, else
+    the earliest (in a loop the latest is followed by fewer than k tokens: X X X X -> X, where the first gives k)."""
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
@@ -48,7 +49,9 @@ class NgramProposer:
             windows = tokens[:L - 1].unfold(0, n, 1)                          # [L - n, n]: every earlier n-gram
             hits = (windows == tokens[L - n:]).all(dim=1).nonzero()           # starts of matches
             if len(hits):
-                start = int(hits[-1]) + n                                     # what followed the latest match
+                ends = hits.flatten() + n                                     # where what followed each starts
+                full = ends[ends + k <= L]
+                start = int(full[-1]) if len(full) else int(ends[0])
                 return token_ids[start:start + k]
         return []
 

@@ -231,7 +231,9 @@ def test_draft_with_another_vocabulary_is_refused(qwen3, tmp_path):
     ([5, 6, 7, 4, 7], 2, [4, 7]),                       # no 3- or 2-gram repeats: the 1-gram 7 does
     ([1, 2, 3, 4], 2, []),                              # nothing repeats
     ([7], 2, []),
-    ([4, 4, 4, 4], 5, [4]),                             # what followed the latest earlier match: one token
+    ([4, 4, 4, 4], 5, [4]),                             # one token followed the only earlier match
+    ([4, 4, 4, 4, 4, 4, 4], 3, [4, 4, 4]),              # in a loop, the match that k tokens follow
+    ([1, 2, 9, 9, 1, 2, 8, 1, 2], 4, [9, 9, 1, 2]),     # the latest match (-> 8 1 2) is too close to the end
 ])
 def test_prompt_lookup(tokens, k, want):
     proposer = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=k))
