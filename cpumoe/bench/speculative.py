@@ -199,19 +199,20 @@ def render_speculative_report(report: dict, console: Console) -> None:
     console.print(f"[bold]{report['model']}[/]  weights [bold]{report['weights_format']}[/]  CPU {report['cpu']}  "
                   f"threads {report['threads']}  greedy, {report['repeats']} repetitions (speed-up: median and range "
                   f"over them, against no speculation in the same repetition)")
-    table = Table(title="speculative decoding (bound: tokens per step x plain-step bytes / (verification-step bytes + "
-                        "drafting bytes))",
-                  title_justify="left")
-    for name in ("batch", "in", "out", "prompt", "method", "k", "accepted", "tokens/step", "experts/layer",
-                 "decode tok/s", "speed-up", "range", "bound", "experts/layer, bound if routed apart",
-                 "same tokens"):
-        table.add_column(name, justify="right", no_wrap=True)
-    for r in report["results"]:
-        spec = r["method"] != "none"
-        table.add_row(str(r["batch"]), str(r["input_len"]), str(r["output_len"]), r["prompt"], r["method"],
-                      str(r["k"]) if spec else "-", f"{r['acceptance']:.0%}" if spec else "-",
-                      f"{r['tokens_per_step']:.2f}", f"{r['experts_per_layer']:.1f}", f"{r['decode_tok_s']:.1f}",
-                      f"{r['speedup']:.2f}x", f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}",
-                      f"{r['bound']:.2f}x", f"{r['uniform_experts_per_layer']:.1f}, {r['uniform_bound']:.2f}x",
-                      f"{r['same_prefix']:.0%}")
-    console.print(table)
+    for case in dict.fromkeys((r["batch"], r["input_len"], r["output_len"], r["prompt"]) for r in report["results"]):
+        table = Table(title=f"speculative decoding: batch {case[0]}, input {case[1]}, output {case[2]}, {case[3]} "
+                            "prompts (bound: tokens per step x plain-step bytes / (verification-step bytes + drafting "
+                            "bytes); apart: had the k + 1 tokens been routed independently)", title_justify="left")
+        for name in ("method", "k", "accepted", "tokens/step", "experts/layer", "decode tok/s", "speed-up", "range",
+                     "bound", "experts apart", "bound apart", "same tokens"):
+            table.add_column(name, justify="right", no_wrap=True)
+        for r in report["results"]:
+            if (r["batch"], r["input_len"], r["output_len"], r["prompt"]) != case:
+                continue
+            spec = r["method"] != "none"
+            table.add_row(r["method"], str(r["k"]) if spec else "-", f"{r['acceptance']:.0%}" if spec else "-",
+                          f"{r['tokens_per_step']:.2f}", f"{r['experts_per_layer']:.1f}", f"{r['decode_tok_s']:.1f}",
+                          f"{r['speedup']:.2f}x", f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}",
+                          f"{r['bound']:.2f}x", f"{r['uniform_experts_per_layer']:.1f}", f"{r['uniform_bound']:.2f}x",
+                          f"{r['same_prefix']:.0%}")
+        console.print(table)
