@@ -139,6 +139,9 @@ def _cmd_info(args) -> int:
     console.print(f"[bold]CPU[/] {cpu_model()}")
     console.print(f"[bold]features[/] {' '.join(ops.cpu_features()) or '(none detected)'}")
     console.print(_paths_table(all_paths()))
+    attention = ops.attention_paths()
+    console.print(f"[bold]decode attention[/] runs on [bold]{attention[0]}[/] (the first path with an attention "
+                  f"kernel; candidates here: {', '.join(attention)})")
 
     preset, dtype = args.preset, args.dtype
     config = experts_config(preset, dtype)

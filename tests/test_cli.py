@@ -20,6 +20,8 @@ def test_info_names_choice_and_every_path(capsys):
     assert f"the oracle chooses {chosen}" in out
     for p in all_paths():
         assert p.name in out
+    from cpumoe import ops
+    assert f"decode attention runs on {ops.attention_paths()[0]}" in out
 
 
 def test_info_fp16_rejects_bf16_only_paths(capsys):
