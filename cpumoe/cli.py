@@ -506,6 +506,8 @@ def _add_serve(commands) -> None:
                    help=f"tokens one engine step runs (decodes + prefill chunks; default "
                         f"{defaults.max_num_batched_tokens})")
     p.add_argument("--speculative-config", type=_speculative, metavar="JSON", help=SPECULATIVE_HELP)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV cache of prompt prefixes computed before (default: on)")
     p.add_argument("--max-connections", type=int, default=1000,
                    help="connections served at once; beyond them a 503 (default 1000; slow headers time out after "
                         "10 s, idle kept-alive connections after 5 s)")
@@ -540,7 +542,8 @@ def _cmd_serve(args) -> int:
         config = EngineConfig(max_model_len=args.max_model_len, kv_cache_bytes=max(1, int(args.kv_cache_gb * 1e9)),
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               allow_long_max_model_len=args.allow_long_max_model_len,
-                              speculative=args.speculative_config)
+                              speculative=args.speculative_config,
+                              enable_prefix_caching=args.enable_prefix_caching)
         engine = AsyncEngine.from_path(args.model, dtype=args.dtype, config=config, model_name=args.served_model_name,
                                        skip_tokenizer=args.skip_tokenizer_init)
     except (OSError, ValueError) as e:   # no such checkpoint, a config the engine rejects

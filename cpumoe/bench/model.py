@@ -291,9 +291,11 @@ def peak_rss_gb() -> float:
 
 
 def engine_config(cases: Sequence[ModelCase], block_size: int = 16) -> EngineConfig:
-    """Room for the largest case's every sequence, and a step budget that prefills a batch in few steps."""
+    """Room for the largest case's every sequence, and a step budget that prefills a batch in few steps. No prefix
+    caching: a case that repeats its prompts measures their prefill each time."""
     blocks = max(c.batch * -(-(c.input_len + c.output_len) // block_size) for c in cases)
     return EngineConfig(block_size=block_size, num_blocks=blocks + max(c.batch for c in cases),
+                        enable_prefix_caching=False,
                         max_num_seqs=max(c.batch for c in cases),
                         max_num_batched_tokens=max(1024, max(c.input_len for c in cases)),
                         max_model_len=max(c.input_len + c.output_len for c in cases))

@@ -66,6 +66,7 @@ class EngineConfig:
     max_model_len: int | None = None       # prompt + completion; None: the checkpoint's max_position_embeddings
     allow_long_max_model_len: bool = False # let max_model_len exceed max_position_embeddings (untrained positions)
     seed: int = 0                          # the engine's generator, for requests without a seed
+    enable_prefix_caching: bool = True     # share the KV blocks of prompt prefixes computed before (vLLM's default)
     speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
 
     def __post_init__(self) -> None:

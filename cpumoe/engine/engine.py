@@ -204,6 +204,7 @@ class LLMEngine:
             seq.spec_token_ids, seq.spec_probs = [], None
             if not samples:
                 seq.num_computed_tokens += n
+                self.scheduler.computed(seq)
                 continue
             new_tokens = next(sampled)
             # the cache holds the sequence's tokens and the drafts accepted (all new tokens but the last)
@@ -240,9 +241,12 @@ class LLMEngine:
             if reason is not None:
                 if not hit_stop and seq.detokenizer is not None:
                     text += seq.detokenizer.finish()  # what it held back as a possible stop-string start
+                self.scheduler.computed(seq)  # its blocks stay cached for a later prompt that repeats it
                 self.scheduler.finish(seq, reason)
                 del self.seqs[seq.request_id]
                 break
+        else:
+            self.scheduler.computed(seq)
         seq.output_text += text
         return self._output(seq, appended, text, finished=reason is not None)
 
@@ -295,6 +299,8 @@ class LLMEngine:
         bm = self.scheduler.block_manager
         stats = dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                      kv_blocks_used=bm.num_used, kv_blocks_total=bm.num_blocks)
+        if bm.enable_prefix_caching:
+            stats.update(prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits)
         if self.proposer is not None:
             stats.update(draft_tokens=self.num_draft_tokens, accepted_tokens=self.num_accepted_tokens,
                          verify_steps=self.num_verify_steps)

@@ -6,7 +6,7 @@ model dtype, as the model's KVCacheLayout says, and the BlockManager that hands 
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,12 +53,37 @@ class HasBlockTable(Protocol):
     block_table: list[int]
 
 
-class BlockManager:
-    """A free list of block ids and each sequence's block table (kept on the sequence). Knows only sequences."""
+class HasCachedPrefix(HasBlockTable, Protocol):
+    """What prefix caching reads of a sequence."""
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_hashes: list[int]    # the chained hash of each full, computed block of the table, in order
 
-    def __init__(self, num_blocks: int, block_size: int):
+
+def block_hash(parent: int | None, tokens: list[int]) -> int:
+    """A block's key: its tokens and, through the parent's hash, every token before them. Python's tuple hash is
+    64 bits; a collision (two different prefixes, one key) is as likely as in vLLM's default builtin hash."""
+    return hash((parent, tuple(tokens)))
+
+
+class BlockManager:
+    """A free list of block ids and each sequence's block table (kept on the sequence). Knows only sequences.
+
+    With prefix caching, a block that holds block_size computed tokens is registered under block_hash; a sequence
+    admitted later whose prompt starts with the same tokens takes those blocks into its table (reference counted)
+    instead of computing them again. A freed block keeps its key until it is handed out again, least recently
+    freed first (a sequence's last blocks are freed first, so its shared start stays longest). Shared blocks are
+    never written: a sequence computes (and writes) only past its num_computed_tokens, which ends after them."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self.ref_counts = [0] * num_blocks
+        self.cached: dict[int, int] = {}        # block hash -> block
+        self.hash_of: dict[int, int] = {}       # block -> its hash, for cached blocks
+        self.prefix_queries = 0                 # prompt tokens looked up, and found
+        self.prefix_hits = 0
 
     @property
     def num_free(self) -> int:
@@ -80,8 +105,55 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self.free_blocks):
             raise RuntimeError(f"KV cache: {need} blocks needed, {len(self.free_blocks)} free")
-        seq.block_table.extend(self.free_blocks.popleft() for _ in range(need))
+        for _ in range(need):
+            block, _ = self.free_blocks.popitem(last=False)
+            key = self.hash_of.pop(block, None)
+            if key is not None:       # reused: its old contents are no longer a cached prefix
+                del self.cached[key]
+            self.ref_counts[block] = 1
+            seq.block_table.append(block)
 
     def free(self, seq: HasBlockTable) -> None:
-        self.free_blocks.extend(seq.block_table)
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
         seq.block_table.clear()
+
+    def match_prefix(self, seq: HasCachedPrefix) -> int:
+        """For a sequence with nothing in the cache: take the cached blocks its prompt starts with into its table.
+        Returns the tokens they hold (its new num_computed_tokens). At least the last token is left to compute, so
+        the step that samples has its logits, and it lands in a block of the sequence's own."""
+        if not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens:
+            return 0
+        bs = self.block_size
+        parent = None
+        self.prefix_queries += seq.num_tokens
+        for i in range((seq.num_tokens - 1) // bs):
+            key = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            block = self.cached.get(key)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+            seq.block_hashes.append(key)
+            parent = key
+        self.prefix_hits += len(seq.block_table) * bs
+        return len(seq.block_table) * bs
+
+    def register(self, seq: HasCachedPrefix) -> None:
+        """Make seq's full, computed blocks findable by later prompts that start with the same tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        # (a request that stopped inside accepted drafts holds fewer tokens than its cache computed)
+        for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, len(seq.token_ids)) // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            key = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(key)
+            block = seq.block_table[i]
+            if key not in self.cached and block not in self.hash_of:
+                self.cached[key] = block
+                self.hash_of[block] = key

@@ -7,7 +7,8 @@
       2. waiting sequences, in arrival order, while the budget, max_num_seqs and free blocks allow; a prompt
          longer than what is left of the budget is split into chunks over the next steps
     A sequence samples a token only in the step that computes its last known token. The scheduler owns the
-    BlockManager; finished and aborted sequences give back their blocks at once.
+    BlockManager; finished and aborted sequences give back their blocks at once. With prefix caching a waiting
+    sequence starts past the blocks of its prompt that another sequence computed already (BlockManager.match_prefix).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0           # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # prefix caching: keys of its full computed blocks
     finish_reason: str | None = None
     output_text: str = ""                  # text emitted so far
     spec_token_ids: list[int] = field(default_factory=list)  # drafted tokens for the next step (speculative)
@@ -88,7 +90,8 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int):
         self.config = config
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -133,8 +136,10 @@ class Scheduler:
         while (self.waiting and budget > 0 and not batch.preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
+            seq.num_computed_tokens += bm.match_prefix(seq)   # a cached prefix is computed already
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                self._release(seq)   # the cached blocks it took go back until it can be admitted
                 break
             bm.allocate(seq, seq.num_computed_tokens + n)
             self.waiting.popleft()
@@ -144,14 +149,23 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+    def _release(self, seq: Sequence) -> None:
+        """Give back all of seq's blocks; it computes from its first token (or a cached prefix) again."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.block_hashes.clear()
         seq.spec_token_ids, seq.spec_probs = [], None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def computed(self, seq: Sequence) -> None:
+        """seq's num_computed_tokens grew: its blocks that filled up become a cached prefix others can share."""
+        self.block_manager.register(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish or abort seq, wherever it is, and free its blocks."""

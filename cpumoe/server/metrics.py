@@ -3,7 +3,8 @@
     per request:  RequestTimer(arrival) -> output(n_new) per engine output -> finish(reason)
                   -> TTFT, inter-token latency and end-to-end histograms, prompt/generation token counters
     at scrape:    engine.stats() -> running / waiting requests and KV blocks gauges; with speculative decoding,
-                  drafted / accepted token counters
+                  drafted / accepted token counters; with prefix caching, prompt tokens
+                  looked up and found
 
 Names follow the Prometheus conventions (`_seconds`, counters exposed with `_total`), prefixed `cpumoe_`.
 """
@@ -36,7 +37,9 @@ class _EngineStatsCollector(Collector):
                 ("kv_blocks_used", "cpumoe_kv_blocks_used", "KV cache blocks in use"),
                 ("kv_blocks_total", "cpumoe_kv_blocks_total", "KV cache blocks in all")):
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
-        for key, name, doc in (  # with speculative decoding only
+        for key, name, doc in (  # with prefix caching, and speculative decoding, only
+                ("prefix_cache_queries", "cpumoe_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+                ("prefix_cache_hits", "cpumoe_prefix_cache_hits", "Prompt tokens found in the prefix cache"),
                 ("draft_tokens", "cpumoe_spec_decode_num_draft_tokens", "Drafted tokens verified"),
                 ("accepted_tokens", "cpumoe_spec_decode_num_accepted_tokens", "Drafted tokens accepted"),
                 ("verify_steps", "cpumoe_spec_decode_num_verify_steps", "Sequence-steps that verified drafts")):
