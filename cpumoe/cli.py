@@ -513,6 +513,9 @@ def _add_serve(commands) -> None:
                         "10 s, idle kept-alive connections after 5 s)")
     p.add_argument("--max-request-mb", type=float, default=8.0,
                    help="larger request bodies are refused with 413 before they are read (default 8)")
+    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C, how long requests in flight may still run before they end with an "
+                        "error (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_cmd_serve)
 
@@ -524,6 +527,8 @@ def _cmd_serve(args) -> int:
         sys.exit(f"cpumoe serve: error: --max-model-len must be at least 2, got {args.max_model_len}")
     if args.max_connections < 1:
         sys.exit(f"cpumoe serve: error: --max-connections must be positive, got {args.max_connections}")
+    if not 0 <= args.shutdown_grace_s < 1e6:
+        sys.exit(f"cpumoe serve: error: --shutdown-grace-s must be a number of seconds >= 0, got {args.shutdown_grace_s}")
     if not 0 < args.max_request_mb < 1e6:
         sys.exit(f"cpumoe serve: error: --max-request-mb must be positive, got {args.max_request_mb}")
     _check_kv_cache_gb("serve", args.kv_cache_gb)
@@ -549,7 +554,8 @@ def _cmd_serve(args) -> int:
     except (OSError, ValueError) as e:   # no such checkpoint, a config the engine rejects
         sys.exit(f"cpumoe serve: error: {e}")
     serve(engine, args.host, args.port, api_key=args.api_key, log_level=args.log_level, sock=sock,
-          max_request_bytes=int(args.max_request_mb * (1 << 20)), max_connections=args.max_connections)
+          max_request_bytes=int(args.max_request_mb * (1 << 20)), max_connections=args.max_connections,
+          shutdown_grace_s=args.shutdown_grace_s)
     return 0
 
 

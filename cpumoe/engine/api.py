@@ -41,3 +41,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0        # so far
     error: str | None = None          # with finish_reason "error": why this request alone failed
+
+
+class EngineShutdown(RuntimeError):
+    """The engine was drained (the server is shutting down) before this request finished."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from cpumoe.engine.api import RequestOutput, SamplingParams
+from cpumoe.engine.api import EngineShutdown, RequestOutput, SamplingParams
 from cpumoe.engine.config import EngineConfig
 from cpumoe.engine.engine import LLMEngine
 
@@ -37,6 +37,7 @@ class AsyncEngine:
         self._commands: list[tuple] = []
         self._cv = threading.Condition()
         self._stopping = False
+        self._drained: str | None = None   # drain()'s message: new requests are refused with it
         self._thread = threading.Thread(target=self._loop, name="cpumoe-engine", daemon=True)
         self._thread.start()
 
@@ -69,6 +70,8 @@ class AsyncEngine:
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         """The request's RequestOutputs as the engine produces them; the last one has finished=True. Raises the
         engine's ValueError for a bad request (empty or too long prompt, duplicate id)."""
+        if self._drained is not None:
+            raise EngineShutdown(self._drained)
         if request_id in self._queues:
             raise ValueError(f"request {request_id!r} already exists")
         queue: asyncio.Queue = asyncio.Queue()
@@ -90,6 +93,12 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
+
+    def drain(self, message: str) -> None:
+        """End every request in flight with EngineShutdown(message) (after the step under way), and refuse new
+        ones: what a server does when its shutdown grace period is over."""
+        self._drained = message
+        self._submit(("drain", message))
 
     def shutdown(self) -> None:
         with self._cv:
@@ -126,6 +135,10 @@ class AsyncEngine:
                         engine.add_request(request_id, ids, params)
                     except ValueError as e:
                         self._deliver(request_id, e)
+                elif command[0] == "drain":
+                    for request_id in list(engine.seqs):
+                        engine.abort(request_id)
+                        self._deliver(request_id, EngineShutdown(command[1]))
                 else:
                     engine.abort(command[1])
             if not engine.has_unfinished():

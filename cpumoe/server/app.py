@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cpumoe.engine.api import RequestOutput, SamplingParams
+from cpumoe.engine.api import EngineShutdown, RequestOutput, SamplingParams
 from cpumoe.server.metrics import ServerMetrics
 from cpumoe.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
@@ -160,6 +160,8 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
                     yield out
                     if out.finished:
                         break
+        except EngineShutdown as e:   # the shutdown grace period ended: an error event, or a 503
+            raise APIError(503, str(e), type="server_error", code="server_shutting_down") from None
         finally:
             if finish_reason is None:
                 log.info("aborting %s", request_id)

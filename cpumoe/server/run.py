@@ -2,6 +2,7 @@
 connections share it)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import resource
 import socket
@@ -16,6 +17,8 @@ log = logging.getLogger("cpumoe.server")
 HEADER_TIMEOUT_S = 10.0    # from a connection's opening (or its last response) to a request's complete headers
 IDLE_TIMEOUT_S = 5.0       # a kept-alive connection with no request
 DEFAULT_MAX_CONNECTIONS = 1000
+DEFAULT_SHUTDOWN_GRACE_S = 30.0   # how long requests in flight may still run after SIGTERM
+DRAIN_MARGIN_S = 10.0             # then the engine ends them: room for the step under way and the last events
 
 
 class HeaderTimeoutH11(H11Protocol):
@@ -61,6 +64,31 @@ class HeaderTimeoutH11(H11Protocol):
             self.transport.close()
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) stops accepting connections, lets the requests in flight
+    run for grace_s seconds, then ends the rest through the engine (an error event and `[DONE]` on a stream, a 503
+    otherwise) rather than cancelling their tasks mid-response."""
+
+    def __init__(self, config: uvicorn.Config, *, engine, grace_s: float):
+        super().__init__(config)
+        self.engine, self.grace_s = engine, grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        drain = getattr(self.engine, "drain", None)
+        timer = None
+        if drain is not None:
+            message = f"the server is shutting down; this request did not finish within {self.grace_s:g} s"
+            timer = asyncio.get_running_loop().call_later(self.grace_s, drain, message)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        # uvicorn raises the signal it caught again once it has shut down, so the process would end "killed by
+        # SIGTERM"; after a drain that ended every request, the exit is a clean one (status 0).
+        getattr(self, "_captured_signals", []).clear()
+
+
 def raise_open_file_limit() -> int:
     """Raises this process's soft limit on open files to its hard limit (the common soft limit, 1024, is what a
     flood of connections exhausts first). Returns the soft limit now in force."""
@@ -76,15 +104,18 @@ def raise_open_file_limit() -> int:
 
 
 def server_config(app, host: str, port: int, *, log_level: str = "info",
-                  max_connections: int = DEFAULT_MAX_CONNECTIONS) -> uvicorn.Config:
+                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                  shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> uvicorn.Config:
     """uvicorn's settings for cpumoe: slow headers and idle connections time out, and at most max_connections
-    are served at once (beyond that a 503), kept below the open-file limit."""
+    are served at once (beyond that a 503), kept below the open-file limit. uvicorn cancels what is still running
+    DRAIN_MARGIN_S after the grace period: by then the engine has ended every request."""
     fd_limit = raise_open_file_limit()
     if max_connections > fd_limit - 64:
         log.warning("--max-connections %d lowered to %d: the open-file limit is %d", max_connections,
                     max(1, fd_limit - 64), fd_limit)
         max_connections = max(1, fd_limit - 64)
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          timeout_graceful_shutdown=shutdown_grace_s + DRAIN_MARGIN_S,
                           http=HeaderTimeoutH11, timeout_keep_alive=IDLE_TIMEOUT_S, limit_concurrency=max_connections)
 
 
@@ -104,14 +135,16 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(engine: EngineClient, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
           api_key: str | None = None, log_level: str = "info", sock: socket.socket | None = None,
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+          shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
     """Serve `engine` at http://host:port/v1 until interrupted (on `sock` when given, from bind(host, port)).
     `model_name` (default: the engine's) is the name clients must send as `model`."""
     app = create_app(engine, model_name=model_name or engine.model_name, api_key=api_key,
                      max_request_bytes=max_request_bytes)
-    config = server_config(app, host, port, log_level=log_level, max_connections=max_connections)
+    config = server_config(app, host, port, log_level=log_level, max_connections=max_connections,
+                           shutdown_grace_s=shutdown_grace_s)
     try:
-        uvicorn.Server(config).run(sockets=[sock or bind(host, port)])
+        DrainingServer(config, engine=engine, grace_s=shutdown_grace_s).run(sockets=[sock or bind(host, port)])
     finally:
         shutdown = getattr(engine, "shutdown", None)   # AsyncEngine: stop its stepping thread
         if shutdown is not None:

@@ -91,3 +91,71 @@ def test_max_model_len_past_the_trained_positions_needs_consent(checkpoint):
     assert engine.max_model_len == positions + 1
     with pytest.raises(SystemExit, match="max_position_embeddings"):
         main(["serve", str(checkpoint), "--port", str(_free_port()), "--max-model-len", str(positions + 1)])
+
+
+def _start(checkpoint, port: int, *extra: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "cpumoe", "serve", str(checkpoint), "--port", str(port),
+                             "--kv-cache-gb", "0.05", "--max-num-seqs", "4", "--served-model-name", "tiny", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, f"cpumoe serve exited: {proc.stdout.read()}"
+        assert time.monotonic() < deadline, "cpumoe serve did not come up in 120 s"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
+def test_sigterm_drains_then_ends_the_rest_with_an_error(checkpoint):
+    """SIGTERM: new connections are refused, a request that finishes within the grace period finishes, a stream
+    that would not gets an error event and [DONE], a non-streaming one a 503; exit status 0, no traceback."""
+    import json
+    import signal
+    import threading
+
+    port = _free_port()
+    proc = _start(checkpoint, port, "--shutdown-grace-s", "2", "--max-model-len", "3000", "--allow-long-max-model-len")
+    base = f"http://127.0.0.1:{port}"
+    long = {"model": "tiny", "prompt": "Hello", "max_tokens": 2900, "temperature": 0, "ignore_eos": True}
+    results: dict[str, object] = {}
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{base}/v1/completions", json={**long, "stream": True}, timeout=120) as r:
+            results["stream"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    def whole() -> None:
+        results["whole"] = httpx.post(f"{base}/v1/completions", json=long, timeout=120)
+
+    def short() -> None:
+        results["short"] = httpx.post(f"{base}/v1/completions", json={**long, "max_tokens": 40}, timeout=120)
+
+    threads = [threading.Thread(target=f) for f in (stream, whole)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)           # both are generating
+        threads.append(threading.Thread(target=short))
+        threads[-1].start()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{base}/health", timeout=2)
+        for t in threads:
+            t.join(60)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out, out
+    assert results["short"].status_code == 200 and results["short"].json()["usage"]["completion_tokens"] == 40
+    assert results["whole"].status_code == 503, results["whole"].text
+    assert results["whole"].json()["error"]["code"] == "server_shutting_down"
+    events = results["stream"]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2][len("data: "):])
+    assert error["error"]["code"] == "server_shutting_down" and "within 2 s" in error["error"]["message"]
+    assert len(events) > 3   # it had streamed tokens before
