@@ -159,3 +159,61 @@ def test_sigterm_drains_then_ends_the_rest_with_an_error(checkpoint):
     error = json.loads(events[-2][len("data: "):])
     assert error["error"]["code"] == "server_shutting_down" and "within 2 s" in error["error"]["message"]
     assert len(events) > 3   # it had streamed tokens before
+
+
+@pytest.mark.slow
+def test_1100_half_open_connections_do_not_lock_out_others(checkpoint):
+    """Started under the common soft limit of 1,024 open files: 1,100 connections that send half a request and stop
+    neither exhaust the server's descriptors (it raised its soft limit) nor stop /health answering, and after the
+    header timeout the server has closed every one of them."""
+    import resource
+
+    from cpumoe.server.run import HEADER_TIMEOUT_S
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200 + 64:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves no room for 1,100 connections")
+    if soft < 1200 + 64:   # this test's own sockets
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096) if hard != resource.RLIM_INFINITY else 4096,
+                                                    hard))
+    port = _free_port()
+
+    def common_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+
+    proc = subprocess.Popen([sys.executable, "-m", "cpumoe", "serve", str(checkpoint), "--port", str(port),
+                             "--kv-cache-gb", "0.05", "--max-connections", "2000", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=common_limit)
+    socks = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        opened = time.monotonic()
+        for _ in range(1100):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")     # no blank line: the headers never end
+            socks.append(s)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        time.sleep(max(0.0, opened + HEADER_TIMEOUT_S + 2 - time.monotonic()))
+        closed = 0
+        for s in socks:
+            s.settimeout(2)
+            try:
+                closed += s.recv(1) == b""
+            except OSError:
+                closed += 1   # reset by the server
+        assert closed == len(socks)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        assert proc.poll() is None
+    finally:
+        for s in socks:
+            s.close()
+        proc.terminate()
+        proc.wait(30)
