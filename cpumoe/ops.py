@@ -117,6 +117,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_in_flo
     return torch.ops.cpumoe.rms_norm(x, weight, eps, weight_in_float)
 
 
+def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """RoPE (rotate_half) on q [T, nh, d] and k [T, nkv, d] in place with cos, sin [T, d], then k and v [T, nkv, dv]
+    into the caches [blocks, block_size, nkv, d | dv] at slot_mapping [T] (csrc/core/rope.h); all in q's dtype,
+    rounded as torch's elementwise ops round."""
+    torch.ops.cpumoe.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
 def attention_paths() -> list[str]:
     """The kernel paths with a decode attention kernel that can run here, fastest first."""
     return list(_C.attention_paths())
@@ -205,6 +213,11 @@ def _route_fake(router_logits, top_k, scoring, renormalize, bias, routed_scaling
 def _decode_attention_fake(q, k_cache, v_cache, block_table, key_begin, key_end, scale, sinks, path=""):
     _no_meta_weights(q, k_cache=k_cache, v_cache=v_cache, sinks=sinks)
     return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[3]))
+
+
+@torch.library.register_fake("cpumoe::rope_and_cache")
+def _rope_and_cache_fake(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+    _no_meta_weights(q, k_cache=k_cache, v_cache=v_cache)
 
 
 @torch.library.register_fake("cpumoe::rms_norm")

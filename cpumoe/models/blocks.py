@@ -311,12 +311,12 @@ class Attention(nn.Module):
         key = (*self.rotary.cache_key, x.dtype)
         if key not in context.cache:  # once per step: every layer has the same positions
             cos, sin = self.rotary(positions, x.dtype)  # [T, d]
-            context.cache[key] = cos[:, None], sin[:, None]  # [T, 1, d]
+            context.cache[key] = cos.contiguous(), sin.contiguous()
         cos, sin = context.cache[key]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = context.kv_caches[layer]  # [num_blocks, block_size, nkv, d]
-        k_cache.view(-1, self.num_kv_heads, self.head_dim)[context.slot_mapping] = k.to(k_cache.dtype)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim)[context.slot_mapping] = v.to(v_cache.dtype)
+        # RoPE on q and k in place, then k and v into their slots: one op (apply_rotary and two index_puts)
+        q, k, v = q.contiguous(), k.contiguous(), v.to(v_cache.dtype).contiguous()
+        ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, context.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, context, sinks=self.sinks,
                               sliding_window=self.sliding_window)  # [T, nh, d]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]

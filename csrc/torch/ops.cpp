@@ -15,6 +15,7 @@
 #include "../core/routing.h"
 #include "../core/attention.h"
 #include "../core/norm.h"
+#include "../core/rope.h"
 #include "../core/pack.h"
 #include "../core/quant_pack.h"
 
@@ -471,12 +472,63 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
   return out;
 }
 
+// RoPE on q and k in place, then k and v into their cache slots; see rope.h.
+void rope_and_cache_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& slot_mapping) {
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&k_cache, "k_cache"},
+                                {&v_cache, "v_cache"}})
+    check_dense(*t, name, t == &k_cache || t == &v_cache ? 4 : 3);
+  check_dense(cos, "cos", 2);
+  check_dense(sin, "sin", 2);
+  const int64_t T = q.size(0), nkv = k.size(1), d = q.size(2), dv = v.size(2);
+  RopeCacheArgs a;
+  a.dtype = to_dtype(q, "q");
+  for (const auto& [t, name] : {std::pair{&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"}, {&k_cache, "k_cache"},
+                                {&v_cache, "v_cache"}})
+    TORCH_CHECK_VALUE(t->scalar_type() == q.scalar_type(), name, " must be ", q.scalar_type(), " like q, got ",
+                      t->scalar_type());
+  TORCH_CHECK_VALUE(d % 2 == 0, "the head size must be even for RoPE, got ", d);
+  TORCH_CHECK_VALUE(k.size(0) == T && k.size(2) == d && v.size(0) == T && v.size(1) == nkv, "k must be [", T, ", nkv, ",
+                    d, "] and v [", T, ", nkv, dv] with q [", T, ", nh, ", d, "]; got k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK_VALUE(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == d, "cos and sin must be [", T,
+                    ", ", d, "], got ", cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK_VALUE(k_cache.size(2) == nkv && k_cache.size(3) == d && v_cache.size(2) == nkv && v_cache.size(3) == dv &&
+                        v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1),
+                    "k_cache must be [blocks, block_size, ", nkv, ", ", d, "] and v_cache [.., ", nkv, ", ", dv,
+                    "]; got ", k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == T &&
+                        slot_mapping.is_contiguous(), "slot_mapping must be int64 [", T, "], got ",
+                    slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK_VALUE(slot[t] >= 0 && slot[t] < slots, "slot_mapping[", t, "] = ", slot[t], " is outside the cache's ",
+                      slots, " slots");
+  a.tokens = T;
+  a.nh = q.size(1);
+  a.nkv = nkv;
+  a.d = d;
+  a.dv = dv;
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.cos = cos.data_ptr();
+  a.sin = sin.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.slots = slot;
+  rope_and_cache(a, torch_parallel());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cpumoe, m) {
   m.def("route(Tensor router_logits, int top_k, str scoring, bool renormalize, Tensor? bias, "
         "float routed_scaling_factor) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool weight_in_float=False) -> Tensor");
+  m.def("rope_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
+        "Tensor(d!) v_cache, Tensor slot_mapping) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_begin, "
         "Tensor key_end, float scale, Tensor? sinks, str path=\"\") -> Tensor");
   m.def("pack_w13(Tensor w13, str path) -> Tensor");
@@ -506,6 +558,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("route", &route_op);
   m.impl("decode_attention", &decode_attention_op);
   m.impl("rms_norm", &rms_norm_op);
+  m.impl("rope_and_cache", &rope_and_cache_op);
 }
 
 }  // namespace cpumoe

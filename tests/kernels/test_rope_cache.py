@@ -1,0 +1,75 @@
+"""ops.rope_and_cache against the torch maths it replaces (apply_rotary on q and k, then index_put of k and v into
+the paged cache): bit for bit in float32, bf16 and fp16 over a grid of token counts, head counts and sizes, shuffled
+slots; bad inputs are refused by name; the fake kernel traces shapes."""
+import pytest
+import torch
+
+from cpumoe import ops
+from cpumoe.models.blocks import RotaryEmbedding, apply_rotary
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def case(T, nh, nkv, d, dv, dtype, blocks=9, block_size=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, nh, d, generator=g).to(dtype)
+    k = torch.randn(T, nkv, d, generator=g).to(dtype)
+    v = torch.randn(T, nkv, dv, generator=g).to(dtype)
+    positions = torch.randint(0, 4096, (T,), generator=g)
+    cos, sin = RotaryEmbedding(d, 1e6)(positions, dtype)                       # [T, d]
+    k_cache = torch.randn(blocks, block_size, nkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, block_size, nkv, dv, generator=g).to(dtype)
+    slots = torch.randperm(blocks * block_size, generator=g)[:T]
+    return q, k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("T", [1, 5, 17])
+@pytest.mark.parametrize("nh,nkv,d,dv", [(4, 2, 64, 64), (8, 1, 128, 128), (3, 3, 2, 2), (6, 2, 32, 48)],
+                         ids=["gqa-64", "mqa-128", "d2", "v-wider"])
+def test_matches_the_torch_ops_bit_for_bit(dtype, T, nh, nkv, d, dv):
+    q, k, v, cos, sin, k_cache, v_cache, slots = case(T, nh, nkv, d, dv, dtype)
+    want_q, want_k = apply_rotary(q, cos[:, None], sin[:, None]), apply_rotary(k, cos[:, None], sin[:, None])
+    want_kc, want_vc = k_cache.clone(), v_cache.clone()
+    want_kc.view(-1, nkv, d)[slots] = want_k
+    want_vc.view(-1, nkv, dv)[slots] = v
+    ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert torch.equal(q, want_q), f"q: max diff {(q.float() - want_q.float()).abs().max()}"
+    assert torch.equal(k, want_k), f"k: max diff {(k.float() - want_k.float()).abs().max()}"
+    assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc), "cache rows"
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda a: a.update(k=a["k"].float()), "k must be"),
+    (lambda a: a.update(cos=a["cos"][:, :-2].contiguous(), sin=a["sin"][:, :-2].contiguous()), "cos and sin must be"),
+    (lambda a: a.update(v=a["v"][:, :1].contiguous()), "v \\["),
+    (lambda a: a.update(slot_mapping=torch.tensor([0, 36, 1])), "slot_mapping\\[1\\] = 36 is outside the cache's 36"),
+    (lambda a: a.update(slot_mapping=torch.tensor([0, -1, 1])), "outside the cache"),
+    (lambda a: a.update(slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int32)), "slot_mapping must be int64"),
+    (lambda a: a.update(k_cache=a["k_cache"][..., :1, :].contiguous()), "k_cache must be"),
+    (lambda a: a.update(q=a["q"].transpose(0, 1)), "q must be contiguous"),
+])
+def test_bad_inputs_are_refused_by_name(change, message):
+    q, k, v, cos, sin, k_cache, v_cache, slots = case(3, 4, 2, 8, 8, torch.bfloat16)
+    args = dict(q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+    change(args)
+    with pytest.raises((ValueError, RuntimeError), match=message):   # layout checks raise RuntimeError
+        ops.rope_and_cache(**args)
+
+
+def test_odd_head_size_is_refused():
+    q, k, v = torch.randn(2, 2, 3), torch.randn(2, 1, 3), torch.randn(2, 1, 3)
+    cos, sin = torch.randn(2, 3), torch.randn(2, 3)
+    k_cache, v_cache, slots = torch.zeros(2, 4, 1, 3), torch.zeros(2, 4, 1, 3), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="head size must be even"):
+        ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+
+
+def test_fake_kernel_and_meta_weights():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q, k, v, cos, sin, k_cache, v_cache, slots = case(2, 4, 2, 8, 8, torch.bfloat16)
+        ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+    q, k, v, cos, sin, k_cache, v_cache, slots = case(2, 4, 2, 8, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="k_cache, v_cache are meta tensors"):
+        ops.rope_and_cache(q, k, v, cos, sin, k_cache.to("meta"), v_cache.to("meta"), slots)
