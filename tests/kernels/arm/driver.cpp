@@ -14,6 +14,9 @@
 //   topk_weights.bin [M][topk] f32, topk_ids.bin [M][topk] i32, expert_map.bin [global_experts] i32,
 //   w13_bias.bin [E][2I] f32, w2_bias.bin [E][H] f32 (unpacked: reordered here as cpumoe/ops.py does)
 //   -> out.bin [M][H] dtype
+// Attention cases (op attention) take dtype, S, nh, nkv, d, dv, n, block_size, blocks, scale, sinks and q.bin
+// [S][nh][d], k_cache.bin [blocks][block_size][nkv][d], v_cache.bin [..][nkv][dv] (dtype), block_table.bin [S][n],
+// key_begin.bin, key_end.bin [S] (int64), sinks.bin [nh] f32 -> out.bin [S][nh][dv] dtype.
 // Quantized cases add quant (int8_w8a8, int4_w4a16, ...: a format name) and group13, group2 (int4 group of
 // w13 and w2; 0 = a whole row), and replace w13.bin / w2.bin with the canonical cpumoe.quant.QuantizedWeight
 // tensors, packed here with quant_pack (as cpumoe/ops.py pack_quant does) and run on the path's tiles:
@@ -30,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/attention.h"
 #include "core/cpu_features.h"
 #include "core/fused_moe.h"
 #include "core/pack.h"
@@ -150,8 +154,47 @@ QuantPackedShape read_and_pack_quant(const std::string& dir, const char* prefix,
   return shape;
 }
 
+void write_out(const std::string& path, const std::vector<char>& out) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(out.data(), std::streamsize(out.size()));
+  if (!f) throw std::runtime_error("cannot write " + path);
+}
+
+// An "op attention" case: decode attention on the path that runs it here (attention_kernel), printed as
+// "attention PATH".
+void run_attention(const std::string& dir, const Meta& meta, const Parallel& parallel) {
+  auto path = [&](const char* name) { return dir + "/" + name; };
+  DecodeAttentionArgs a;
+  a.dtype = parse_dtype(meta.str("dtype"));
+  a.S = meta.num("S"), a.nh = meta.num("nh"), a.nkv = meta.num("nkv"), a.d = meta.num("d"), a.dv = meta.num("dv");
+  a.n = meta.num("n"), a.block_size = meta.num("block_size");
+  a.scale = std::stof(meta.str("scale"));
+  const int64_t blocks = meta.num("blocks"), es = dtype_size(a.dtype);
+  const std::vector<char> q = read_array(path("q.bin"), a.S * a.nh * a.d * es);
+  const std::vector<char> k_cache = read_array(path("k_cache.bin"), blocks * a.block_size * a.nkv * a.d * es);
+  const std::vector<char> v_cache = read_array(path("v_cache.bin"), blocks * a.block_size * a.nkv * a.dv * es);
+  const std::vector<char> table = read_array(path("block_table.bin"), a.S * a.n * 8);
+  const std::vector<char> begin = read_array(path("key_begin.bin"), a.S * 8);
+  const std::vector<char> end = read_array(path("key_end.bin"), a.S * 8);
+  std::vector<char> sinks;
+  if (meta.flag("sinks")) sinks = read_array(path("sinks.bin"), a.nh * 4);
+  a.q = q.data(), a.k_cache = k_cache.data(), a.v_cache = v_cache.data();
+  a.block_table = reinterpret_cast<const int64_t*>(table.data());
+  a.key_begin = reinterpret_cast<const int64_t*>(begin.data());
+  a.key_end = reinterpret_cast<const int64_t*>(end.data());
+  a.sinks = sinks.empty() ? nullptr : reinterpret_cast<const float*>(sinks.data());
+  std::vector<char> out(a.S * a.nh * a.dv * es);
+  a.out = out.data();
+  std::string name;
+  const KernelTable& kernel = attention_kernel(&name);
+  std::printf("attention %s\n", name.c_str());
+  decode_attention(a, kernel, parallel);
+  write_out(path("out.bin"), out);
+}
+
 void run_case(const std::string& dir, const Parallel& parallel) {
   const Meta meta(dir + "/meta.txt");
+  if (meta.has("op") && meta.str("op") == "attention") return run_attention(dir, meta, parallel);
   const DType dtype = parse_dtype(meta.str("dtype"));
   const int64_t M = meta.num("M"), H = meta.num("H"), I = meta.num("I"), E = meta.num("E"), K = meta.num("topk");
   const int64_t G = meta.num("global_experts"), es = dtype_size(dtype);
@@ -226,9 +269,7 @@ void run_case(const std::string& dir, const Parallel& parallel) {
   std::vector<char> out(M * H * es);
   a.out = out.data();
   fused_moe(a, parallel);
-  std::ofstream f(path("out.bin"), std::ios::binary);
-  f.write(out.data(), std::streamsize(out.size()));
-  if (!f) throw std::runtime_error("cannot write " + path("out.bin"));
+  write_out(path("out.bin"), out);
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
-# The Arm kernel paths (arm-neon, arm-bfmmla) against cpumoe.reference, run under qemu-aarch64 on any host:
+# The Arm kernel paths (arm-neon, arm-bfmmla, the quantized ones, and decode attention) against the references,
+# run under qemu-aarch64 on any host:
 # the PyTorch-free core and driver.cpp are cross-compiled once per module into a static binary, each case's
 # inputs (tests/kernels/moe_cases.py) are written as raw arrays, and the driver's output is held to the
 # kernel tests' tolerance table. Needs aarch64-linux-gnu-g++ and qemu-aarch64-static (Debian:
@@ -19,7 +20,10 @@ import pytest
 import torch
 
 from cpumoe import reference
+from cpumoe.models.blocks import decode_attention_reference
 from tests.kernels.moe_cases import MoECase, MoEProblem, make_problem
+from tests.kernels.test_decode_attention import CASES as ATTENTION_CASES
+from tests.kernels.test_decode_attention import make_case as make_attention_case
 from tests.kernels.tolerances import assert_moe_close
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -286,3 +290,34 @@ def test_fused_moe_quant_matches_reference(driver, tmp_path, kernel, qc):
     tol = QUANT_TOLERANCES[qc.dtype]
     torch.testing.assert_close(out.float(), ref.float(), atol=tol["atol"] * scale, rtol=tol["rtol"],
                                msg=lambda m: f"{kernel} {qc}: {m}")
+
+
+# ---- decode attention: the path attention_kernel() picks on Arm, over the cases of test_decode_attention.py ----
+
+def _write_attention_case(directory: Path, dtype: torch.dtype, q, k_cache, v_cache, batch, sink, scale) -> None:
+    S, nh, d = q.shape
+    meta = dict(op="attention", dtype=DTYPE_NAMES[dtype], S=S, nh=nh, nkv=k_cache.shape[2], d=d, dv=v_cache.shape[3],
+                n=batch.block_table.shape[1], block_size=k_cache.shape[1], blocks=k_cache.shape[0],
+                scale=repr(scale), sinks=int(sink is not None))
+    (directory / "meta.txt").write_text("".join(f"{key} {value}\n" for key, value in meta.items()))
+    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=batch.block_table, key_begin=batch.key_begin,
+                  key_end=batch.key_end, sinks=sink)
+    for name, t in arrays.items():
+        if t is not None:
+            t.contiguous().flatten().view(torch.uint8).numpy().tofile(directory / f"{name}.bin")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: DTYPE_NAMES[d])
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"S{c[0]}-h{c[1]}x{c[2]}-d{c[3]}v{c[4]}-bs{c[5]}"
+                                                                f"{'-w' + str(c[7]) if c[7] else ''}"
+                                                                f"{'-sinks' if c[8] else ''}")
+def test_decode_attention_matches_reference(driver, tmp_path, dtype, case):
+    S, nh, nkv, d, dv, bs, lens, window, sinks = case
+    q, k_cache, v_cache, batch, sink = make_attention_case(S, nh, nkv, d, dv, bs, lens, dtype, window, sinks=sinks)
+    scale = d ** -0.5
+    _write_attention_case(tmp_path, dtype, q, k_cache, v_cache, batch, sink, scale)
+    out_text = _run([QEMU, "-cpu", "max", str(driver), str(tmp_path)], f"driver attention {case}")
+    assert re.search(r"^attention (generic|arm-\S+)$", out_text, flags=re.M), out_text
+    out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=dtype).view(S, nh, dv)
+    ref = decode_attention_reference(q, k_cache, v_cache, batch, scale=scale, sinks=sink)
+    assert_moe_close(out, ref, dtype, f"arm attention {case}")
