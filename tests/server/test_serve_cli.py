@@ -21,6 +21,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _wait_up(proc: subprocess.Popen, port: int) -> None:
+    """Until `cpumoe serve` answers /health (it must not exit first, nor take over 120 s)."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, f"cpumoe serve exited: {proc.stdout.read()}"
+        assert time.monotonic() < deadline, "cpumoe serve did not come up in 120 s"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return make_checkpoint("qwen3-30b-a3b", tmp_path_factory.mktemp("serve_cli"), layers=2, vocab=400,
@@ -35,15 +48,7 @@ def test_serve_subprocess(checkpoint):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"cpumoe serve exited: {proc.stdout.read()}"
-            assert time.monotonic() < deadline, "cpumoe serve did not come up in 120 s"
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        _wait_up(proc, port)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
         assert [m.id for m in client.models.list().data] == ["tiny"]
         done = client.completions.create(model="tiny", prompt="Hello there", max_tokens=5, temperature=0)
@@ -97,15 +102,8 @@ def _start(checkpoint, port: int, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "cpumoe", "serve", str(checkpoint), "--port", str(port),
                              "--kv-cache-gb", "0.05", "--max-num-seqs", "4", "--served-model-name", "tiny", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, f"cpumoe serve exited: {proc.stdout.read()}"
-        assert time.monotonic() < deadline, "cpumoe serve did not come up in 120 s"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.2)
+    _wait_up(proc, port)
+    return proc
 
 
 def test_sigterm_drains_then_ends_the_rest_with_an_error(checkpoint):
@@ -186,15 +184,7 @@ def test_1100_half_open_connections_do_not_lock_out_others(checkpoint):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=common_limit)
     socks = []
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        _wait_up(proc, port)
         opened = time.monotonic()
         for _ in range(1100):
             s = socket.create_connection(("127.0.0.1", port), timeout=5)
