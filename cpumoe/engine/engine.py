@@ -213,12 +213,10 @@ class LLMEngine:
                 self.num_verify_steps += 1
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += len(new_tokens) - 1
-            out = self._append(seq, new_tokens)
-            if out is not None:
-                outputs.append(out)
+            outputs.append(self._append(seq, new_tokens))
         return outputs
 
-    def _append(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput | None:
+    def _append(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         """Append a step's tokens to seq one by one until it finishes; what the step gives its client."""
         text, appended, reason = "", [], None
         for token in new_tokens:

@@ -128,7 +128,6 @@ class BlockManager:
             return 0
         bs = self.block_size
         parent = None
-        self.prefix_queries += seq.num_tokens
         for i in range((seq.num_tokens - 1) // bs):
             key = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
             block = self.cached.get(key)
@@ -140,8 +139,12 @@ class BlockManager:
             seq.block_table.append(block)
             seq.block_hashes.append(key)
             parent = key
-        self.prefix_hits += len(seq.block_table) * bs
         return len(seq.block_table) * bs
+
+    def record_prefix(self, num_tokens: int, hit_tokens: int) -> None:
+        """Count an admitted prompt's lookup (once: a sequence can be looked up again while it waits for room)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += hit_tokens
 
     def register(self, seq: HasCachedPrefix) -> None:
         """Make seq's full, computed blocks findable by later prompts that start with the same tokens."""

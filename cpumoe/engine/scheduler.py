@@ -136,11 +136,14 @@ class Scheduler:
         while (self.waiting and budget > 0 and not batch.preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            seq.num_computed_tokens += bm.match_prefix(seq)   # a cached prefix is computed already
+            hits = bm.match_prefix(seq)   # a cached prefix is computed already
+            seq.num_computed_tokens += hits
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 self._release(seq)   # the cached blocks it took go back until it can be admitted
                 break
+            if bm.enable_prefix_caching:
+                bm.record_prefix(seq.num_tokens, hits)
             bm.allocate(seq, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
