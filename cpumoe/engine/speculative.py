@@ -24,6 +24,7 @@ from cpumoe.engine.scheduler import ScheduledBatch, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
+
 def draft_budget(seq: Sequence, k: int, max_model_len: int) -> int:
     """How many drafts are worth proposing for seq: a step yields at most k + 1 tokens, and none past max_tokens or
     max_model_len."""
@@ -58,9 +59,6 @@ class NgramProposer:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
         for seq, k in zip(seqs, ks):
             seq.spec_token_ids, seq.spec_probs = self.propose_one(seq.token_ids, k), None
-
-    def release(self) -> None:
-        pass
 
 
 @dataclass(slots=True, eq=False)
