@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cpumoe.engine.config import EngineConfig
+from cpumoe.server import limits
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
@@ -506,16 +507,19 @@ def _add_serve(commands) -> None:
                    help=f"tokens one engine step runs (decodes + prefill chunks; default "
                         f"{defaults.max_num_batched_tokens})")
     p.add_argument("--speculative-config", type=_speculative, metavar="JSON", help=SPECULATIVE_HELP)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=defaults.enable_prefix_caching,
                    help="share the KV cache of prompt prefixes computed before (default: on)")
-    p.add_argument("--max-connections", type=int, default=1000,
-                   help="connections served at once; beyond them a 503 (default 1000; slow headers time out after "
-                        "10 s, idle kept-alive connections after 5 s)")
-    p.add_argument("--max-request-mb", type=float, default=8.0,
-                   help="larger request bodies are refused with 413 before they are read (default 8)")
-    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+    p.add_argument("--max-connections", type=int, default=limits.MAX_CONNECTIONS,
+                   help=f"connections served at once; beyond them a 503 (default {limits.MAX_CONNECTIONS}; slow "
+                        f"headers time out after {limits.HEADER_TIMEOUT_S:g} s, idle kept-alive connections after "
+                        f"{limits.IDLE_TIMEOUT_S:g} s)")
+    p.add_argument("--max-request-mb", type=float, default=limits.MAX_REQUEST_BYTES / (1 << 20),
+                   help="larger request bodies are refused with 413 before they are read (default "
+                        f"{limits.MAX_REQUEST_BYTES / (1 << 20):g})")
+    p.add_argument("--shutdown-grace-s", type=float, default=limits.SHUTDOWN_GRACE_S,
                    help="on SIGTERM or Ctrl-C, how long requests in flight may still run before they end with an "
-                        "error (default 30)")
+                        f"error (default {limits.SHUTDOWN_GRACE_S:g})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_cmd_serve)
 

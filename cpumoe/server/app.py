@@ -32,6 +32,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cpumoe.engine.api import EngineShutdown, RequestOutput, SamplingParams
+from cpumoe.server.limits import MAX_REQUEST_BYTES
 from cpumoe.server.metrics import ServerMetrics
 from cpumoe.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
@@ -68,11 +69,10 @@ class APIError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status)
 
 
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a prompt that fills a 128k context is a few hundred KB to ~1 MB of JSON
 
 
 def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """max_request_bytes: a larger request body is refused with 413 before it is read whole or parsed."""
     app = FastAPI(title="cpumoe", summary="OpenAI-compatible Mixture-of-Experts inference on CPUs")
     metrics = ServerMetrics(engine.stats)

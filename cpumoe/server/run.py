@@ -10,14 +10,12 @@ import socket
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from cpumoe.server.app import DEFAULT_MAX_REQUEST_BYTES, EngineClient, create_app
+from cpumoe.server.app import EngineClient, create_app
+from cpumoe.server.limits import (HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS, MAX_REQUEST_BYTES,
+                                  SHUTDOWN_GRACE_S)
 
 log = logging.getLogger("cpumoe.server")
 
-HEADER_TIMEOUT_S = 10.0    # from a connection's opening (or its last response) to a request's complete headers
-IDLE_TIMEOUT_S = 5.0       # a kept-alive connection with no request
-DEFAULT_MAX_CONNECTIONS = 1000
-DEFAULT_SHUTDOWN_GRACE_S = 30.0   # how long requests in flight may still run after SIGTERM
 DRAIN_MARGIN_S = 10.0             # then the engine ends them: room for the step under way and the last events
 
 
@@ -85,8 +83,10 @@ class DrainingServer(uvicorn.Server):
             if timer is not None:
                 timer.cancel()
         # uvicorn raises the signal it caught again once it has shut down, so the process would end "killed by
-        # SIGTERM"; after a drain that ended every request, the exit is a clean one (status 0).
-        getattr(self, "_captured_signals", []).clear()
+        # SIGTERM"; after a drain that ended every request (no task left for uvicorn to cancel) the exit is a clean
+        # one (status 0).
+        if not self.server_state.tasks:
+            getattr(self, "_captured_signals", []).clear()
 
 
 def raise_open_file_limit() -> int:
@@ -104,8 +104,8 @@ def raise_open_file_limit() -> int:
 
 
 def server_config(app, host: str, port: int, *, log_level: str = "info",
-                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                  shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> uvicorn.Config:
+                  max_connections: int = MAX_CONNECTIONS,
+                  shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> uvicorn.Config:
     """uvicorn's settings for cpumoe: slow headers and idle connections time out, and at most max_connections
     are served at once (beyond that a 503), kept below the open-file limit. uvicorn cancels what is still running
     DRAIN_MARGIN_S after the grace period: by then the engine has ended every request."""
@@ -135,8 +135,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(engine: EngineClient, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
           api_key: str | None = None, log_level: str = "info", sock: socket.socket | None = None,
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-          shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
+          max_request_bytes: int = MAX_REQUEST_BYTES, max_connections: int = MAX_CONNECTIONS,
+          shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> None:
     """Serve `engine` at http://host:port/v1 until interrupted (on `sock` when given, from bind(host, port)).
     `model_name` (default: the engine's) is the name clients must send as `model`."""
     app = create_app(engine, model_name=model_name or engine.model_name, api_key=api_key,

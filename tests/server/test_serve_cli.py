@@ -166,7 +166,7 @@ def test_1100_half_open_connections_do_not_lock_out_others(checkpoint):
     header timeout the server has closed every one of them."""
     import resource
 
-    from cpumoe.server.run import HEADER_TIMEOUT_S
+    from cpumoe.server.limits import HEADER_TIMEOUT_S
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1200 + 64:
