@@ -115,9 +115,7 @@ def _pack_each(num_experts: int, pack) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _empty_huge(shape, dtype) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype)
-    ops._C.advise_huge_pages(t)  # before the first write chooses its pages
-    return t
+    return ops._C.empty_huge(list(shape), dtype)
 
 
 def native_paths() -> list[NativeExperts]:

@@ -85,6 +85,14 @@ void check_dense(const at::Tensor& t, const char* what, int64_t dim) {
   TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
 }
 
+// A packed-weight tensor on memory of its own, on huge pages (memory.h's map_huge).
+at::Tensor empty_huge(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const size_t bytes = size_t(c10::multiply_integers(sizes)) * c10::elementSize(dtype);
+  if (bytes == 0) return at::empty(sizes, at::TensorOptions().dtype(dtype));
+  void* p = map_huge(bytes);
+  return at::from_blob(p, sizes, [bytes](void* q) { unmap_huge(q, bytes); }, at::TensorOptions().dtype(dtype));
+}
+
 at::Tensor pack(const at::Tensor& w, const std::string& kernel, bool is_w13) {
   const char* what = is_w13 ? "w13" : "w2";
   check_dense(w, what, 3);
@@ -101,8 +109,7 @@ at::Tensor pack(const at::Tensor& w, const std::string& kernel, bool is_w13) {
   }
   TORCH_CHECK(E > 0 && H > 0 && I > 0, what, " has an empty dimension: ", w.sizes());
   PackedShape s = is_w13 ? w13_packed_shape(H, I, kt.layout) : w2_packed_shape(H, I, kt.layout);
-  at::Tensor out = at::empty({E, s.blocks, s.block_elems}, w.options());
-  advise_huge_pages(out.data_ptr(), out.nbytes());  // before packing writes (first-touches) it
+  at::Tensor out = empty_huge({E, s.blocks, s.block_elems}, w.scalar_type());
   const void* src = w.data_ptr();
   void* dst = out.data_ptr();
   at::parallel_for(0, E, 1, [&](int64_t b, int64_t e) {
@@ -243,8 +250,7 @@ at::Tensor pack_quant_op(const at::Tensor& qweight, const at::Tensor& scales, co
   src.scales = scales.data_ptr();
   src.zeros = zp;
   src.N = N, src.K = K, src.group = group_size == K ? 0 : group_size;
-  at::Tensor out = at::empty({E, shape.blocks, shape.block_bytes}, qweight.options().dtype(at::kByte));
-  advise_huge_pages(out.data_ptr(), out.nbytes());
+  at::Tensor out = empty_huge({E, shape.blocks, shape.block_bytes}, at::kByte);
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, E, 1, [&](int64_t b, int64_t e) { pack_quant(src, w13, dst, b, e); });
   return out;
@@ -599,8 +605,9 @@ PYBIND11_MODULE(_C, m) {
            pybind11::arg("bytes"))
       .def("read_gbps", &cpumoe::ReadBandwidthProbe::read_gbps, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("bytes", &cpumoe::ReadBandwidthProbe::bytes);
-  m.def("advise_huge_pages", [](const at::Tensor& t) { return cpumoe::advise_huge_pages(t.data_ptr(), t.nbytes()); },
-        "Ask for 2 MB pages over a tensor's storage; call before writing it");
+  m.def("empty_huge", [](std::vector<int64_t> sizes, at::ScalarType dtype) { return cpumoe::empty_huge(sizes, dtype); },
+        "An uninitialized tensor on memory of its own, advised for 2 MB pages (for packed weights)",
+        pybind11::arg("sizes"), pybind11::arg("dtype"));
   m.def("attention_paths", [] {
     std::vector<std::string> names;
     for (const cpumoe::KernelInfo& info : cpumoe::kernel_paths())
