@@ -107,15 +107,11 @@ def _pack_each(num_experts: int, pack) -> tuple[torch.Tensor, torch.Tensor]:
     for e in range(num_experts):
         p13, p2 = pack(e)
         if packed13 is None:
-            packed13 = _empty_huge((num_experts, *p13.shape[1:]), p13.dtype)
-            packed2 = _empty_huge((num_experts, *p2.shape[1:]), p2.dtype)
+            packed13 = ops._C.empty_packed_stack(p13, num_experts)
+            packed2 = ops._C.empty_packed_stack(p2, num_experts)
         packed13[e].copy_(p13[0])
         packed2[e].copy_(p2[0])
     return packed13, packed2
-
-
-def _empty_huge(shape, dtype) -> torch.Tensor:
-    return ops._C.empty_huge(list(shape), dtype)
 
 
 def native_paths() -> list[NativeExperts]:

@@ -18,6 +18,7 @@
 #include "../core/rope.h"
 #include "../core/pack.h"
 #include "../core/quant_pack.h"
+#include "packed.h"
 
 namespace cpumoe {
 namespace {
@@ -85,14 +86,6 @@ void check_dense(const at::Tensor& t, const char* what, int64_t dim) {
   TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
 }
 
-// A packed-weight tensor on memory of its own, on huge pages (memory.h's map_huge).
-at::Tensor empty_huge(at::IntArrayRef sizes, at::ScalarType dtype) {
-  const size_t bytes = size_t(c10::multiply_integers(sizes)) * c10::elementSize(dtype);
-  if (bytes == 0) return at::empty(sizes, at::TensorOptions().dtype(dtype));
-  void* p = map_huge(bytes);
-  return at::from_blob(p, sizes, [bytes](void* q) { unmap_huge(q, bytes); }, at::TensorOptions().dtype(dtype));
-}
-
 at::Tensor pack(const at::Tensor& w, const std::string& kernel, bool is_w13) {
   const char* what = is_w13 ? "w13" : "w2";
   check_dense(w, what, 3);
@@ -109,7 +102,9 @@ at::Tensor pack(const at::Tensor& w, const std::string& kernel, bool is_w13) {
   }
   TORCH_CHECK(E > 0 && H > 0 && I > 0, what, " has an empty dimension: ", w.sizes());
   PackedShape s = is_w13 ? w13_packed_shape(H, I, kt.layout) : w2_packed_shape(H, I, kt.layout);
-  at::Tensor out = empty_huge({E, s.blocks, s.block_elems}, w.scalar_type());
+  PackedInfo info;
+  info.layout = kt.layout, info.path = kt.name, info.w13 = is_w13, info.rows = w.size(1), info.cols = w.size(2);
+  at::Tensor out = empty_packed({E, s.blocks, s.block_elems}, w.scalar_type(), info);
   const void* src = w.data_ptr();
   void* dst = out.data_ptr();
   at::parallel_for(0, E, 1, [&](int64_t b, int64_t e) {
@@ -121,6 +116,41 @@ at::Tensor pack(const at::Tensor& w, const std::string& kernel, bool is_w13) {
 
 at::Tensor pack_w13_op(const at::Tensor& w13, std::string_view kernel) { return pack(w13, std::string(kernel), true); }
 at::Tensor pack_w2_op(const at::Tensor& w2, std::string_view kernel) { return pack(w2, std::string(kernel), false); }
+
+// The records of a fused op's packed w13 and w2 against the call: the same packing (layout or format and
+// group), w13 over the hidden size of the activations, w2 back to it, one intermediate size. Returns I.
+int64_t check_packed_experts(const at::Tensor& w13, const at::Tensor& w2, int64_t H,
+                             const std::function<bool(const PackedInfo&)>& same_packing, const std::string& want) {
+  const PackedInfo i13 = packed_info_or_throw(w13, "packed w13"), i2 = packed_info_or_throw(w2, "packed w2");
+  TORCH_CHECK_VALUE(i13.w13 && !i2.w13, "packed w13 and w2 are swapped or mixed: w13 was packed as ",
+                    i13.describe(), ", w2 as ", i2.describe());
+  TORCH_CHECK_VALUE(same_packing(i13) && same_packing(i2), "the weights were packed as ", i13.describe(), " and ",
+                    i2.describe(), ", this call runs ", want, " (pack them for it)");
+  TORCH_CHECK_VALUE(i13.cols == H && i2.rows == H, "hidden_states have width ", H, " but the experts were packed for hidden size ",
+                    i13.cols, " (w13) and ", i2.rows, " (w2)");
+  TORCH_CHECK_VALUE(i13.rows == 2 * i2.cols, "packed w13 ", i13.describe(), " and w2 ", i2.describe(),
+                    " do not share an intermediate size");
+  return i2.cols;
+}
+
+// Whether a record is a packing of format f with the call's group size (pack_quant records a group equal to
+// the row length as 0, a whole row; int8 and mxfp4 have no choice of group).
+bool same_quant_packing(const PackedInfo& i, QuantFormat f, int64_t group_size) {
+  if (!i.quant || i.format != f) return false;
+  if (f == QuantFormat::kInt8W8A8 || f == QuantFormat::kMxfp4W4A16) return true;
+  return i.group == (group_size == i.cols ? 0 : group_size);
+}
+
+// The record of a linear's packed weight against the call: the same packing, [out_features, in_features].
+void check_packed_linear(const at::Tensor& w, int64_t out_features, int64_t in_features,
+                         const std::function<bool(const PackedInfo&)>& same_packing, const std::string& want) {
+  const PackedInfo info = packed_info_or_throw(w, "packed linear weight");
+  TORCH_CHECK_VALUE(!info.w13 && same_packing(info), "the linear weight was packed as ", info.describe(),
+                    ", this call runs ", want, " (pack it for it)");
+  TORCH_CHECK_VALUE(info.rows == out_features && info.cols == in_features, "the linear weight was packed as [",
+                    info.rows, ", ", info.cols, "] (out, in), the call has x of width ", in_features,
+                    " and out_features ", out_features);
+}
 
 // The routing inputs, expert map and packed biases both fused ops take, checked; then the driver runs.
 at::Tensor run_fused(FusedMoeArgs& a, const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
@@ -193,6 +223,8 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const 
               "weights (", w13.scalar_type(), ", ", w2.scalar_type(), ") must have the dtype of hidden_states (",
               hidden.scalar_type(), ")");
   const int64_t H = hidden.size(1), E = w13.size(0);
+  check_packed_experts(w13, w2, H, [&](const PackedInfo& i) { return !i.quant && i.layout == kt.layout; },
+                       "path '" + std::string(kt.name) + "'");
   const PackedShape s13 = w13_packed_shape(H, w13.size(1) * kW13BlockInter, kt.layout);
   TORCH_CHECK(w13.size(2) == s13.block_elems,
               "packed w13 does not match hidden size ", H, " for kernel '", kt.name, "': block of ", w13.size(2),
@@ -250,7 +282,9 @@ at::Tensor pack_quant_op(const at::Tensor& qweight, const at::Tensor& scales, co
   src.scales = scales.data_ptr();
   src.zeros = zp;
   src.N = N, src.K = K, src.group = group_size == K ? 0 : group_size;
-  at::Tensor out = empty_huge({E, shape.blocks, shape.block_bytes}, at::kByte);
+  PackedInfo info;
+  info.quant = true, info.format = f, info.group = src.group, info.w13 = w13, info.rows = N, info.cols = K;
+  at::Tensor out = empty_packed({E, shape.blocks, shape.block_bytes}, at::kByte, info);
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, E, 1, [&](int64_t b, int64_t e) { pack_quant(src, w13, dst, b, e); });
   return out;
@@ -283,6 +317,9 @@ at::Tensor fused_experts_quant(const at::Tensor& hidden, const at::Tensor& w13, 
                     " takes bfloat16 activations, got ", hidden.scalar_type());
   const int64_t H = hidden.size(1);
   check_dense(w13, "packed w13", 3);
+  check_dense(w2, "packed w2", 3);
+  check_packed_experts(w13, w2, H, [&](const PackedInfo& i) { return same_quant_packing(i, f, group_size); },
+                       std::string(quant_format_name(f)) + " group " + std::to_string(group_size));
   const int64_t E = w13.size(0), Ip = w13.size(1) * kW13BlockInter;
   // The packed w13 holds Ip/32 blocks: check it as a [2*Ip, H] weight (the padded rows are what was packed).
   const QuantPackedShape s13 = check_quant_packed(w13, "packed w13", f, 2 * Ip, H, group_size, true);
@@ -331,6 +368,9 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK_VALUE(quant_int8_activations(f) || dt == DType::kBFloat16, quant_format_name(f),
                     " takes bfloat16 activations, got ", x.scalar_type());
   const int64_t K = x.size(-1);
+  check_dense(w, "packed linear weight", 3);
+  check_packed_linear(w, out_features, K, [&](const PackedInfo& i) { return same_quant_packing(i, f, group_size); },
+                      std::string(quant_format_name(f)) + " group " + std::to_string(group_size));
   const QuantPackedShape s = check_quant_packed(w, "packed linear weight", f, out_features, K, group_size, false);
   TORCH_CHECK_VALUE(w.size(0) == 1, "packed linear weight must hold one matrix, got ", w.sizes());
   LinearArgs a;
@@ -351,6 +391,8 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::option
   TORCH_CHECK(w.scalar_type() == x.scalar_type(), "packed weight dtype ", w.scalar_type(), " differs from x's ",
               x.scalar_type());
   const int64_t K = x.size(-1);
+  check_packed_linear(w, out_features, K, [&](const PackedInfo& i) { return !i.quant && i.layout == kt.layout; },
+                      "path '" + std::string(kt.name) + "'");
   const PackedShape s = w2_packed_shape(out_features, K, kt.layout);
   TORCH_CHECK(w.size(0) == 1 && w.size(1) == s.blocks && w.size(2) == s.block_elems, "packed linear weight ",
               w.sizes(), " does not match in_features ", K, " and out_features ", out_features, " for path '",
@@ -605,9 +647,14 @@ PYBIND11_MODULE(_C, m) {
            pybind11::arg("bytes"))
       .def("read_gbps", &cpumoe::ReadBandwidthProbe::read_gbps, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("bytes", &cpumoe::ReadBandwidthProbe::bytes);
-  m.def("empty_huge", [](std::vector<int64_t> sizes, at::ScalarType dtype) { return cpumoe::empty_huge(sizes, dtype); },
-        "An uninitialized tensor on memory of its own, advised for 2 MB pages (for packed weights)",
-        pybind11::arg("sizes"), pybind11::arg("dtype"));
+  m.def("empty_packed_stack", [](const at::Tensor& like, int64_t experts) {
+    const cpumoe::PackedInfo info = cpumoe::packed_info_or_throw(like, "like");
+    std::vector<int64_t> sizes(like.sizes().begin(), like.sizes().end());
+    TORCH_CHECK_VALUE(experts > 0 && !sizes.empty(), "experts must be positive, got ", experts);
+    sizes[0] = experts;
+    return cpumoe::empty_packed(sizes, like.scalar_type(), info);
+  }, "An uninitialized stack of `experts` packings recorded as `like` was (its shape but the first dimension), "
+     "on memory of its own: for packing expert by expert", pybind11::arg("like"), pybind11::arg("experts"));
   m.def("attention_paths", [] {
     std::vector<std::string> names;
     for (const cpumoe::KernelInfo& info : cpumoe::kernel_paths())

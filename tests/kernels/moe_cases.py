@@ -59,3 +59,13 @@ def path_dtype_grid() -> list:
     import pytest
     return [pytest.param(p, d, id=f"{p}-{str(d).removeprefix('torch.')}")
             for d in (torch.bfloat16, torch.float32, torch.float16) for p in runnable_paths(d)]
+
+
+def assert_fake_matches(op, args: tuple, kwargs: dict) -> None:
+    """The op's fake kernel gives the real output's shape and dtype. (torch.library.opcheck runs the real op on
+    copies of the arguments, and the ops refuse a copy of a packed weight, so fake tensors are made here.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    real = op(*args, **kwargs)
+    with FakeTensorMode() as mode:
+        fake = op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+    assert (fake.shape, fake.dtype) == (real.shape, real.dtype)

@@ -32,7 +32,11 @@ def call(packed, problem, **over):
 OP_CASES = {
     "hidden-1d": (dict(hidden_states=torch.zeros(64, dtype=torch.bfloat16)), "hidden_states must be 2-D"),
     "hidden-noncontiguous": (dict(hidden_states=torch.zeros(64, 4, dtype=torch.bfloat16).T), "must be contiguous"),
-    "hidden-wrong-size": (dict(hidden_states=torch.zeros(4, 70, dtype=torch.bfloat16)), "does not match hidden size"),
+    "hidden-wrong-size": (dict(hidden_states=torch.zeros(4, 70, dtype=torch.bfloat16)),
+                          "width 70 but the experts were packed for hidden size 64"),
+    # 63 pads to the same blocks as 64 on every layout: only the packing's record tells them apart.
+    "hidden-63-against-64": (dict(hidden_states=torch.zeros(4, 63, dtype=torch.bfloat16)),
+                             "width 63 but the experts were packed for hidden size 64"),
     "hidden-int": (dict(hidden_states=torch.zeros(4, 64, dtype=torch.int32)), "must be float32, bfloat16 or float16"),
     "ids-out-of-range": (dict(topk_ids=torch.tensor([[0, 4]] * 4, dtype=torch.int32)), r"expert id 4 .*outside \[0, 4\)"),
     "ids-negative": (dict(topk_ids=torch.tensor([[0, -3]] * 4, dtype=torch.int32)), "expert id -3"),
@@ -52,6 +56,37 @@ def test_op_rejects(packed, problem, case):
     over, message = case
     with pytest.raises((ValueError, RuntimeError), match=message):
         call(packed, problem, **over)
+
+
+LAYOUT = {name: layout for name, _, layout, *_ in ops._C.kernel_paths()}
+
+
+@pytest.mark.parametrize("packed_for", NATIVE_BF16)
+def test_op_takes_only_weights_packed_in_its_layout(problem, packed_for):
+    """A packing runs on every path of its layout and is refused by the others, even where the two packings have
+    the same tensor shape."""
+    prep = cpumoe.FusedMoE(problem.w13, problem.w2, top_k=2, backend=packed_for).prepared
+    expected = call((packed_for, prep), problem)
+    for other in NATIVE_BF16:
+        if LAYOUT[other] == LAYOUT[packed_for]:
+            torch.testing.assert_close(call((other, prep), problem), expected, rtol=0.02, atol=0.02)
+        else:
+            with pytest.raises(ValueError, match=f"packed as path '{packed_for}'.*this call runs path '{other}'"):
+                call((other, prep), problem)
+
+
+def test_op_rejects_swapped_copied_and_foreign_weights(packed, problem):
+    path, prep = packed
+    with pytest.raises(ValueError, match="swapped or mixed"):
+        call(packed, problem, w13=prep.w2, w2=prep.w13)
+    with pytest.raises(ValueError, match="packed w13 is not a weight packed by cpumoe"):
+        call(packed, problem, w13=prep.w13.clone())
+    with pytest.raises(ValueError, match="packed w2 is not a weight packed by cpumoe"):
+        call(packed, problem, w2=torch.zeros_like(prep.w2))
+    other = cpumoe.FusedMoE(problem.w13[:, :32].contiguous(), problem.w2[:, :, :16].contiguous(), top_k=2,
+                            backend=path).prepared  # intermediate 16
+    with pytest.raises(ValueError, match="do not share an intermediate size"):
+        call(packed, problem, w2=other.w2)
 
 
 def test_op_rejects_weights_of_other_dtype(packed, problem):

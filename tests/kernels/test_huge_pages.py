@@ -68,9 +68,19 @@ def test_packed_stacks_sit_on_huge_pages(quant):
         assert huge_page_bytes(t) >= whole_pages, f"{name}: {huge_page_bytes(t)} of {t.nbytes} bytes on huge pages"
 
 
-def test_empty_huge_frees_and_sizes():
-    t = ops._C.empty_huge([3, 5, 7], torch.uint8)
-    assert t.shape == (3, 5, 7) and t.dtype == torch.uint8 and t.data_ptr() % HUGE == 0
-    t.fill_(1)
-    assert int(t.sum()) == 105
-    assert ops._C.empty_huge([0, 4], torch.float32).shape == (0, 4)
+def test_empty_packed_stack_keeps_the_record():
+    """Packing expert by expert into a stack gives the stack the experts' record, so the op takes it."""
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(2, 64, 64), torch.randn(2, 64, 32)
+    one13, one2 = ops.pack_w13(w13[:1].contiguous(), "generic"), ops.pack_w2(w2[:1].contiguous(), "generic")
+    stack13, stack2 = ops._C.empty_packed_stack(one13, 2), ops._C.empty_packed_stack(one2, 2)
+    assert stack13.shape == (2, *one13.shape[1:]) and stack13.data_ptr() % HUGE == 0
+    for e in range(2):
+        stack13[e].copy_(ops.pack_w13(w13[e:e + 1].contiguous(), "generic")[0])
+        stack2[e].copy_(ops.pack_w2(w2[e:e + 1].contiguous(), "generic")[0])
+    x, tw, ti = torch.randn(3, 64), torch.full((3, 2), 0.5), torch.tensor([[0, 1]] * 3, dtype=torch.int32)
+    whole = (ops.pack_w13(w13, "generic"), ops.pack_w2(w2, "generic"))
+    torch.testing.assert_close(ops.fused_experts(x, stack13, stack2, tw, ti, path="generic"),
+                               ops.fused_experts(x, *whole, tw, ti, path="generic"))
+    with pytest.raises(ValueError, match="like is not a weight packed by cpumoe"):
+        ops._C.empty_packed_stack(one13.clone(), 2)

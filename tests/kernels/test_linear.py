@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from cpumoe import ops
-from tests.kernels.moe_cases import path_dtype_grid
+from tests.kernels.moe_cases import assert_fake_matches, path_dtype_grid
 from tests.kernels.tolerances import assert_moe_close
 
 SHAPES = [(1, 64, 32), (3, 100, 70), (17, 130, 2048), (300, 64, 96), (1, 4096, 2048)]  # (M, N, K)
@@ -30,12 +30,30 @@ def test_linear_keeps_leading_dims_and_checks_shapes():
     packed = ops.pack_linear(torch.randn(48, 64).to(dtype), path)
     x = torch.randn(2, 3, 64).to(dtype)
     assert ops.linear(x, packed, None, path=path, out_features=48).shape == (2, 3, 48)
-    with pytest.raises(RuntimeError, match="does not match in_features 32"):
+    with pytest.raises(ValueError, match=r"packed as \[48, 64\] \(out, in\), the call has x of width 32"):
         ops.linear(torch.randn(4, 32).to(dtype), packed, None, path=path, out_features=48)
+
+
+def test_linear_refuses_what_rounds_to_the_same_blocks():
+    """Widths and out_features that pad to the packed blocks used to run on silently (zero or garbage columns)."""
+    path, dtype = NATIVE[0].values
+    packed = ops.pack_linear(torch.randn(100, 64).to(dtype), path)
+    x = torch.randn(3, 64).to(dtype)
+    assert ops.linear(x, packed, None, path=path, out_features=100).shape == (3, 100)
+    for width, out in ((60, 100), (64, 120), (64, 90)):
+        with pytest.raises(ValueError, match=rf"packed as \[100, 64\].*width {width} and out_features {out}"):
+            ops.linear(torch.randn(3, width).to(dtype), packed, None, path=path, out_features=out)
+    with pytest.raises(ValueError, match="packed linear weight is not a weight packed by cpumoe"):
+        ops.linear(x, packed.clone(), None, path=path, out_features=100)
+    layout = {name: (lay, dtypes) for name, _, lay, _, dtypes, _ in ops._C.kernel_paths()}
+    for other, (lay, dtypes) in layout.items():
+        if lay and lay != layout[path][0] and str(dtype).removeprefix("torch.") in dtypes:
+            with pytest.raises(ValueError, match=f"packed as path '{path}'.*this call runs path '{other}'"):
+                ops.linear(x, packed, None, path=other, out_features=100)
 
 
 def test_linear_fake_kernel():
     path, dtype = NATIVE[0].values
     packed = ops.pack_linear(torch.randn(48, 64).to(dtype), path)
-    torch.library.opcheck(torch.ops.cpumoe.linear.default, (torch.randn(5, 64).to(dtype), packed, None),
-                          dict(path=path, out_features=48), test_utils=("test_schema", "test_faketensor"))
+    assert_fake_matches(torch.ops.cpumoe.linear.default, (torch.randn(5, 64).to(dtype), packed, None),
+                        dict(path=path, out_features=48))

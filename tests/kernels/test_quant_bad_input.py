@@ -45,10 +45,12 @@ def test_op_checks_packed_weights(weights):
     tw, ti = torch.full((3, 1), 1.0), torch.zeros(3, 1, dtype=torch.int32)
     kw = dict(path="generic", format="int8_w8a8", group_size=0)
     assert ops.fused_experts_quant(x, p13, p2, tw, ti, **kw).shape == (3, 128)
-    with pytest.raises(ValueError, match=r"packed w13 has shape \[4, 2, 8704\], expected"):
+    with pytest.raises(ValueError, match="width 64 but the experts were packed for hidden size 128"):
         ops.fused_experts_quant(x[:, :64].contiguous(), p13, p2, tw, ti, **kw)  # packed for H=128, given 64
-    with pytest.raises(ValueError, match="packed w2 has shape"):
+    with pytest.raises(ValueError, match="packed w2 is not a weight packed by cpumoe"):
         ops.fused_experts_quant(x, p13, p2[:, :1].contiguous(), tw, ti, **kw)
+    with pytest.raises(ValueError, match="swapped or mixed"):
+        ops.fused_experts_quant(x, p2, p13, tw, ti, **kw)
     with pytest.raises(ValueError, match="packed w13 must be the uint8 blocks"):
         ops.fused_experts_quant(x, p13.view(torch.int8), p2, tw, ti, **kw)
     with pytest.raises(ValueError, match="fp8_w8a16 takes bfloat16 activations"):
