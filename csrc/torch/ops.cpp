@@ -118,19 +118,18 @@ at::Tensor pack_w13_op(const at::Tensor& w13, std::string_view kernel) { return 
 at::Tensor pack_w2_op(const at::Tensor& w2, std::string_view kernel) { return pack(w2, std::string(kernel), false); }
 
 // The records of a fused op's packed w13 and w2 against the call: the same packing (layout or format and
-// group), w13 over the hidden size of the activations, w2 back to it, one intermediate size. Returns I.
-int64_t check_packed_experts(const at::Tensor& w13, const at::Tensor& w2, int64_t H,
+// group), w13 over the hidden size of the activations, w2 back to it, one intermediate size.
+void check_packed_experts(const at::Tensor& w13, const at::Tensor& w2, int64_t H,
                              const std::function<bool(const PackedInfo&)>& same_packing, const std::string& want) {
   const PackedInfo i13 = packed_info_or_throw(w13, "packed w13"), i2 = packed_info_or_throw(w2, "packed w2");
   TORCH_CHECK_VALUE(i13.w13 && !i2.w13, "packed w13 and w2 are swapped or mixed: w13 was packed as ",
                     i13.describe(), ", w2 as ", i2.describe());
   TORCH_CHECK_VALUE(same_packing(i13) && same_packing(i2), "the weights were packed as ", i13.describe(), " and ",
                     i2.describe(), ", this call runs ", want, " (pack them for it)");
-  TORCH_CHECK_VALUE(i13.cols == H && i2.rows == H, "hidden_states have width ", H, " but the experts were packed for hidden size ",
-                    i13.cols, " (w13) and ", i2.rows, " (w2)");
+  TORCH_CHECK_VALUE(i13.cols == H && i2.rows == H, "hidden_states have width ", H,
+                    " but the experts were packed for hidden size ", i13.cols, " (w13) and ", i2.rows, " (w2)");
   TORCH_CHECK_VALUE(i13.rows == 2 * i2.cols, "packed w13 ", i13.describe(), " and w2 ", i2.describe(),
                     " do not share an intermediate size");
-  return i2.cols;
 }
 
 // Whether a record is a packing of format f with the call's group size (pack_quant records a group equal to

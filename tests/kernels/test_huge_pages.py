@@ -36,22 +36,22 @@ def huge_page_bytes(t: torch.Tensor) -> int:
     return total
 
 
-def _layer(quant: str | None) -> cpumoe.FusedMoE:
+def packed_stacks(quant: str | None) -> dict[str, torch.Tensor]:
+    """w13 and w2 of a layer as its native path packs them."""
     torch.manual_seed(0)
     E, H, I = 8, 1024, 512  # bf16: 8 x 3 MB; int4: 8 x 0.8 MB per stack
     w13 = torch.randn(E, 2 * I, H, dtype=torch.bfloat16) * H**-0.5
     w2 = torch.randn(E, H, I, dtype=torch.bfloat16) * I**-0.5
     kw = {} if quant is None else {"quant": quant}
-    return cpumoe.FusedMoE(w13, w2, top_k=2, **kw)
+    layer = cpumoe.FusedMoE(w13, w2, top_k=2, **kw)
+    if layer.backend == "naive":
+        pytest.skip("the naive path keeps the checkpoint's tensors")
+    return {"w13": layer.prepared.w13, "w2": layer.prepared.w2}
 
 
 @pytest.mark.parametrize("quant", [None, "int4_w4a16", "int8_w8a8"])
 def test_packed_stacks_are_huge_page_aligned(quant):
-    layer = _layer(quant)
-    if layer.backend == "naive":
-        pytest.skip("the naive path keeps the checkpoint's tensors")
-    for name in ("w13", "w2"):
-        t = getattr(layer.prepared, name)
+    for name, t in packed_stacks(quant).items():
         assert t.data_ptr() % HUGE == 0, f"{name} starts {t.data_ptr() % HUGE} bytes past a 2 MB boundary"
 
 
@@ -59,11 +59,7 @@ def test_packed_stacks_are_huge_page_aligned(quant):
                     reason="transparent huge pages are not given on request here")
 @pytest.mark.parametrize("quant", [None, "int4_w4a16"])
 def test_packed_stacks_sit_on_huge_pages(quant):
-    layer = _layer(quant)
-    if layer.backend == "naive":
-        pytest.skip("the naive path keeps the checkpoint's tensors")
-    for name in ("w13", "w2"):
-        t = getattr(layer.prepared, name)
+    for name, t in packed_stacks(quant).items():
         whole_pages = t.nbytes // HUGE * HUGE
         assert huge_page_bytes(t) >= whole_pages, f"{name}: {huge_page_bytes(t)} of {t.nbytes} bytes on huge pages"
 
