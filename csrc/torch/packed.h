@@ -20,7 +20,7 @@ namespace cpumoe {
 struct PackedInfo {
   bool quant = false;
   Layout layout{};            // dense: the layout the path packs in
-  std::string path;           // dense: the path it was packed for (named in errors)
+  const char* path = "";      // dense: the path it was packed for (a static name; named in errors)
   QuantFormat format{};       // quantized: the format and group size (0 = a whole row)
   int64_t group = 0;
   bool w13 = false;           // w13 [2I, H] per expert, else w2 or a linear [N, K]
@@ -28,7 +28,7 @@ struct PackedInfo {
 
   std::string describe() const {
     std::string s = quant ? std::string(quant_format_name(format)) + " group " + std::to_string(group)
-                          : "path '" + path + "'";
+                          : "path '" + std::string(path) + "'";
     return s + (w13 ? " w13 " : " w2/linear ") + "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
   }
 };
