@@ -106,6 +106,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      sinks: torch.Tensor | None = None, path: str = "") -> torch.Tensor:
     """q [S, nh, d] (one token per sequence) over caches [blocks, block_size, nkv, d | dv]: each sequence's keys
     [key_begin, key_end) of its block_table [S, n] (positions over the table), -> [S, nh, dv] in q's dtype.
+    A cache may be a view of each slot's leading channels (MLA: v_cache = k_cache[..., :c]). Each row's result
+    depends only on its query, its keys and [key_begin, key_end): never on the other rows (batch-invariant).
     path: one of attention_paths() (default: the first, the fastest here)."""
     return torch.ops.cpumoe.decode_attention(q, k_cache, v_cache, block_table, key_begin, key_end, scale, sinks,
                                              path)

@@ -27,6 +27,9 @@ struct DecodeAttentionArgs {
   const void* q = nullptr;              // [S][nh][d], dtype
   const void* k_cache = nullptr;        // [blocks][block_size][nkv][d], dtype
   const void* v_cache = nullptr;        // [blocks][block_size][nkv][dv], dtype
+  // Elements from one cache slot (block * block_size + offset) to the next; 0: nkv * d and nkv * dv (whole
+  // caches). More for a view of the leading channels of wider rows (MLA's values are the first c of its keys).
+  int64_t k_slot_stride = 0, v_slot_stride = 0;
   const int64_t* block_table = nullptr; // [S][n] cache blocks of each sequence, in order
   const int64_t* key_begin = nullptr;   // [S] first key, as a position over the sequence's table (block j, offset o:
   const int64_t* key_end = nullptr;     // [S] j * block_size + o); keys [key_begin, key_end) are attended

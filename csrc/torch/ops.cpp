@@ -18,6 +18,7 @@
 #include "../core/rope.h"
 #include "../core/pack.h"
 #include "../core/quant_pack.h"
+#include "output_guards.h"
 #include "packed.h"
 
 namespace cpumoe {
@@ -191,7 +192,7 @@ at::Tensor run_fused(FusedMoeArgs& a, const at::Tensor& hidden, const at::Tensor
                 w2_bias->sizes());
     a.w2_bias = w2_bias->data_ptr<float>();
   }
-  at::Tensor out = at::empty_like(hidden);
+  at::Tensor out = new_output(hidden.sizes(), hidden.options());
   a.hidden = hidden.data_ptr();
   a.topk_weights = topk_weights.data_ptr<float>();
   a.topk_ids = topk_ids.data_ptr<int32_t>();
@@ -204,6 +205,7 @@ at::Tensor run_fused(FusedMoeArgs& a, const at::Tensor& hidden, const at::Tensor
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
+  check_output_guards(out, "fused_experts");
   return out;
 }
 
@@ -342,7 +344,7 @@ at::Tensor run_linear(LinearArgs& a, const at::Tensor& x, const at::Tensor& w, c
   at::Tensor x2 = x.reshape({-1, K}).contiguous();
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = out_features;
-  at::Tensor out = at::empty({x2.size(0), out_features}, x.options());
+  at::Tensor out = new_output({x2.size(0), out_features}, x.options());
   at::Tensor b;
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [", out_features, "], got ",
@@ -355,6 +357,7 @@ at::Tensor run_linear(LinearArgs& a, const at::Tensor& x, const at::Tensor& w, c
   a.bias = bias ? b.data_ptr<float>() : nullptr;
   a.out = out.data_ptr();
   linear(a, torch_parallel());
+  check_output_guards(out, "linear");
   return out.view(out_shape);
 }
 
@@ -423,24 +426,37 @@ std::tuple<at::Tensor, at::Tensor> route_op(const at::Tensor& logits, int64_t to
     a.bias = bias->data_ptr<float>();
   }
   a.scale = float(routed_scaling_factor);
-  at::Tensor weights = at::empty({a.M, top_k}, logits.options().dtype(at::kFloat));
-  at::Tensor ids = at::empty({a.M, top_k}, logits.options().dtype(at::kInt));
+  at::Tensor weights = new_output({a.M, top_k}, logits.options().dtype(at::kFloat));
+  at::Tensor ids = new_output({a.M, top_k}, logits.options().dtype(at::kInt));
   a.logits = logits.data_ptr();
   a.weights = weights.data_ptr<float>();
   a.ids = ids.data_ptr<int32_t>();
   route(a, torch_parallel());
+  check_output_guards(weights, "route (weights)");
+  check_output_guards(ids, "route (ids)");
   return {weights, ids};
 }
 
 // One query token per sequence over the paged cache; see attention.h. The block table and key ranges are
 // checked against the cache here: the kernel reads wherever they point.
+// A paged cache [blocks][block_size][nkv][width]: contiguous, or a view of the leading `width` channels of wider
+// rows (a slot's heads adjacent, its slots evenly spaced, blocks one after another).
+void check_cache(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.dim() == 4, what, " must be 4-D, got shape ", t.sizes());
+  TORCH_CHECK(t.stride(3) == 1 && (t.size(2) == 1 || t.stride(2) == t.size(3)) &&
+                  t.stride(1) >= t.size(2) * t.size(3) && (t.size(0) == 1 || t.stride(0) == t.size(1) * t.stride(1)),
+              what, " must be contiguous, or a view of each slot's leading channels; got shape ", t.sizes(),
+              " strides ", t.strides());
+}
+
 at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_table, const at::Tensor& key_begin,
                                const at::Tensor& key_end, double scale, const std::optional<at::Tensor>& sinks,
                                const std::string& path) {
   check_dense(q, "q", 3);
-  check_dense(k_cache, "k_cache", 4);
-  check_dense(v_cache, "v_cache", 4);
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
   check_dense(block_table, "block_table", 2);
   check_dense(key_begin, "key_begin", 1);
   check_dense(key_end, "key_end", 1);
@@ -484,10 +500,12 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
     a.sinks = sinks->data_ptr<float>();
   }
   a.scale = float(scale);
-  at::Tensor out = at::empty({a.S, a.nh, a.dv}, q.options());
+  at::Tensor out = new_output({a.S, a.nh, a.dv}, q.options());
   a.q = q.data_ptr();
   a.k_cache = k_cache.data_ptr();
   a.v_cache = v_cache.data_ptr();
+  a.k_slot_stride = k_cache.stride(1);
+  a.v_slot_stride = v_cache.stride(1);
   a.out = out.data_ptr();
   const KernelTable* kernel = &attention_kernel();
   if (!path.empty()) {
@@ -495,6 +513,7 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
     TORCH_CHECK_VALUE(kernel->attention, "kernel path '", path, "' has no decode attention");
   }
   decode_attention(a, *kernel, torch_parallel());
+  check_output_guards(out, "decode_attention");
   return out;
 }
 
@@ -507,7 +526,7 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
   TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type() && weight.size(0) == x.size(-1), "weight must be ",
                     x.scalar_type(), " [", x.size(-1), "] like x's last dimension, got ", weight.scalar_type(), " ",
                     weight.sizes());
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = new_output(x.sizes(), x.options());
   a.dim = x.size(-1);
   a.rows = a.dim ? x.numel() / a.dim : 0;
   a.eps = float(eps);
@@ -516,6 +535,7 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
   a.weight = weight.data_ptr();
   a.out = out.data_ptr();
   rms_norm(a, torch_parallel());
+  check_output_guards(out, "rms_norm");
   return out;
 }
 
@@ -660,6 +680,10 @@ PYBIND11_MODULE(_C, m) {
       if (info.table && info.table->attention) names.push_back(info.name);
     return names;
   }, "The available kernel paths with decode attention, fastest first");
+  m.def("set_output_guards", [](bool on) { cpumoe::output_guards() = on; },
+        "Test aid: outputs get guard bytes around them, checked by every op before it returns");
+  m.def("check_output_guards", [](const at::Tensor& out) { cpumoe::check_output_guards(out, "a write"); },
+        "Raises when a guard byte around an output (made with guards on) changed");
   m.def("release_free_memory", &cpumoe::release_free_memory,
         "Return the allocator's free memory to the OS (malloc_trim); false if nothing was released");
   m.def("measure_read_bandwidth", [](int64_t bytes, int repetitions) {

@@ -70,6 +70,17 @@ def test_large_scores_stay_finite():
     assert_moe_close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_values_as_a_view_of_the_keys_leading_channels(path):
+    """MLA's latent cache: one (c + r)-wide row per token whose first c channels are the values, passed as the view
+    k_cache[..., :c] (row stride c + r); the same result as with a contiguous copy of it."""
+    q, k_cache, _, batch, _ = make_case(3, 8, 1, 40, 8, 4, [1, 9, 23], torch.bfloat16)
+    view = k_cache[..., :32]
+    args = (batch.block_table, batch.key_begin, batch.key_end, 0.2)
+    out = ops.decode_attention(q, k_cache, view, *args, path=path)
+    assert torch.equal(out, ops.decode_attention(q, k_cache, view.contiguous(), *args, path=path))
+
+
 def test_fake_kernel_shape():
     q, k_cache, v_cache, batch, _ = make_case(2, 4, 2, 16, 24, 4, [5, 9], torch.float32)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
@@ -96,6 +107,9 @@ def _args():
     (lambda a: a.update(key_end=a["key_end"][:1]), "sequences"),
     (lambda a: a.update(sinks=torch.zeros(3)), "sinks must be"),
     (lambda a: a.update(q=a["q"].transpose(0, 1)), "contiguous"),
+    (lambda a: a.update(v_cache=a["v_cache"].transpose(0, 1).contiguous().transpose(0, 1)),
+     "a view of each slot's leading channels"),
+    (lambda a: a.update(v_cache=a["v_cache"][..., ::2]), "a view of each slot's leading channels"),
     (lambda a: a.update(path="x86-avx512bf16"), "has no decode attention"),
     (lambda a: a.update(path="x86-avx512vnni"), "cannot run here"),
 ])

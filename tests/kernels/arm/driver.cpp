@@ -38,6 +38,7 @@
 #include "core/fused_moe.h"
 #include "core/pack.h"
 #include "core/quant_pack.h"
+#include "guarded.h"
 
 namespace {
 
@@ -154,7 +155,12 @@ QuantPackedShape read_and_pack_quant(const std::string& dir, const char* prefix,
   return shape;
 }
 
-void write_out(const std::string& path, const std::vector<char>& out) {
+// An output with guard bytes around it (guarded.h), filled with a value no kernel writes by chance.
+Guarded<char> new_output(int64_t bytes) { return Guarded<char>(bytes, char(0x7f), char(0xa5)); }
+
+// Checks the guard bytes around `out`, then writes it.
+void write_out(const std::string& path, const Guarded<char>& out, const std::string& what) {
+  out.check(what);
   std::ofstream f(path, std::ios::binary);
   f.write(out.data(), std::streamsize(out.size()));
   if (!f) throw std::runtime_error("cannot write " + path);
@@ -183,13 +189,13 @@ void run_attention(const std::string& dir, const Meta& meta, const Parallel& par
   a.key_begin = reinterpret_cast<const int64_t*>(begin.data());
   a.key_end = reinterpret_cast<const int64_t*>(end.data());
   a.sinks = sinks.empty() ? nullptr : reinterpret_cast<const float*>(sinks.data());
-  std::vector<char> out(a.S * a.nh * a.dv * es);
+  Guarded<char> out = new_output(a.S * a.nh * a.dv * es);
   a.out = out.data();
   std::string name;
   const KernelTable& kernel = attention_kernel(&name);
   std::printf("attention %s\n", name.c_str());
   decode_attention(a, kernel, parallel);
-  write_out(path("out.bin"), out);
+  write_out(path("out.bin"), out, "decode_attention on " + name);
 }
 
 void run_case(const std::string& dir, const Parallel& parallel) {
@@ -266,10 +272,10 @@ void run_case(const std::string& dir, const Parallel& parallel) {
     a.w2_bias = w2_bias_packed.data();
   }
 
-  std::vector<char> out(M * H * es);
+  Guarded<char> out = new_output(M * H * es);
   a.out = out.data();
   fused_moe(a, parallel);
-  write_out(path("out.bin"), out);
+  write_out(path("out.bin"), out, "fused_moe on " + meta.str("kernel"));
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 
 #include "core/cpu_features.h"
 #include "core/quant.h"
+#include "guarded.h"
 
 namespace {
 
@@ -144,7 +145,7 @@ struct Result {
   std::string first_failure;
 };
 
-void check(Result& res, double tol, const std::string& what, const std::vector<float>& out, int rows,
+void check(Result& res, double tol, const std::string& what, const Guarded<float>& out, int rows,
            int64_t stride, int cols, const std::vector<double>& ref) {
   double scale = 1e-30, err = 0.0;
   for (double v : ref) scale = std::fmax(scale, std::fabs(v));
@@ -155,10 +156,17 @@ void check(Result& res, double tol, const std::string& what, const std::vector<f
       if (c < cols) err = std::fmax(err, std::isfinite(v) ? std::fabs(v - ref[r * cols + c]) / scale : 1e30);
       else if (v != kSentinel) sentinel_ok = false;
     }
+  std::string outside;
+  try {
+    out.check(what);
+  } catch (const std::runtime_error& e) {
+    outside = std::string(" (") + e.what() + ")";
+  }
   res.max_err = std::fmax(res.max_err, err);
-  if (err > tol || !sentinel_ok) {
+  if (err > tol || !sentinel_ok || !outside.empty()) {
     if (res.failures++ == 0)
-      res.first_failure = what + (sentinel_ok ? "" : " (wrote past its columns)") + ": error " + std::to_string(err);
+      res.first_failure = what + (sentinel_ok ? "" : " (wrote past its columns)") + outside + ": error " +
+                          std::to_string(err);
   }
 }
 
@@ -191,7 +199,7 @@ void run_shape(Result& res, double tol, std::mt19937& rng, const char* path, con
         t.act = act;
         t.bias = with_bias ? bias.data() : nullptr;
         t.out_stride = 40;
-        std::vector<float> out(rows * t.out_stride, kSentinel);
+        Guarded<float> out(rows * t.out_stride, kSentinel, kSentinel);
         std::vector<double> ref(rows * 32);
         t.out = out.data();
         qk.w13_tile(t);
@@ -210,7 +218,7 @@ void run_shape(Result& res, double tol, std::mt19937& rng, const char* path, con
           t.row_scale = with_scale ? row_scale.data() : nullptr;
           t.out_cols = cols;
           t.out_stride = 72;
-          std::vector<float> out(rows * t.out_stride, kSentinel);
+          Guarded<float> out(rows * t.out_stride, kSentinel, kSentinel);
           std::vector<double> ref(rows * cols);
           t.out = out.data();
           qk.w2_tile(t);
