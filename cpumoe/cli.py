@@ -103,6 +103,8 @@ def _speculative(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+BATCH_INVARIANT_HELP = ("a request's tokens never depend on the other requests in its steps or on how its prompt "
+                        "is chunked: attention runs every token as a row of its own")
 SPECULATIVE_HELP = ('speculative decoding, as vLLM\'s flag takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                     '"prompt_lookup_max": 3}\' or \'{"method": "draft", "model": DIR, "num_speculative_tokens": 4}\'')
 
@@ -260,6 +262,9 @@ def _add_bench(commands) -> None:
     p.add_argument("--prompt", type=_names, default=["random"],
                    help="with --speculative-config: prompt kinds, comma-separated: random (default), repeated (a "
                         "32-token phrase over and over)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="also run each checkpoint batch-invariant (" + BATCH_INVARIANT_HELP + "), side by side: the "
+                        "mode's cost, same run")
     p.add_argument("--profile", action="store_true",
                    help="instead: where a decode step's time goes (experts, dense GEMMs, attention, glue, engine) at "
                         "each --batch, after a prompt of the first --input-len")
@@ -330,17 +335,21 @@ def _cmd_bench_model(args) -> int:
     try:
         if args.repeats < 1:
             raise ValueError("--repeats must be positive")
-        if len(args.model) > 1:
+        if args.batch_invariant and args.compare:
+            raise ValueError("--compare naive and --batch-invariant do not go together (naive runs torch's GEMMs)")
+        if len(args.model) > 1 or args.batch_invariant:
             if args.compare:
                 raise ValueError("--compare naive takes one checkpoint")
-            report = run_formats_bench(args.model, cases, dtype=args.dtype, quick=args.quick, repeats=args.repeats,
-                                       progress=Console(stderr=True))
+            paths = [p for p in args.model for _ in range(2 if args.batch_invariant else 1)]
+            report = run_formats_bench(paths, cases, dtype=args.dtype, quick=args.quick, repeats=args.repeats,
+                                       progress=Console(stderr=True),
+                                       batch_invariant=[args.batch_invariant and i % 2 == 1 for i in range(len(paths))])
         else:
             report = run_model_bench(args.model[0], cases, dtype=args.dtype, compare_naive=args.compare == "naive",
                                      quick=args.quick, repeats=args.repeats, progress=Console(stderr=True))
     except ValueError as e:  # a checkpoint that is missing, incomplete or not supported
         sys.exit(f"cpumoe bench model: error: {e}")
-    (render_formats_report if len(args.model) > 1 else render_model_report)(report, console)
+    (render_formats_report if "models" in report else render_model_report)(report, console)
     _write_json(report, args.json, console)
     return 0
 
@@ -507,6 +516,7 @@ def _add_serve(commands) -> None:
                    help=f"tokens one engine step runs (decodes + prefill chunks; default "
                         f"{defaults.max_num_batched_tokens})")
     p.add_argument("--speculative-config", type=_speculative, metavar="JSON", help=SPECULATIVE_HELP)
+    p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP + " (default: off)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=defaults.enable_prefix_caching,
                    help="share the KV cache of prompt prefixes computed before (default: on)")
@@ -551,7 +561,7 @@ def _cmd_serve(args) -> int:
         config = EngineConfig(max_model_len=args.max_model_len, kv_cache_bytes=max(1, int(args.kv_cache_gb * 1e9)),
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               allow_long_max_model_len=args.allow_long_max_model_len,
-                              speculative=args.speculative_config,
+                              speculative=args.speculative_config, batch_invariant=args.batch_invariant,
                               enable_prefix_caching=args.enable_prefix_caching)
         engine = AsyncEngine.from_path(args.model, dtype=args.dtype, config=config, model_name=args.served_model_name,
                                        skip_tokenizer=args.skip_tokenizer_init)
@@ -589,6 +599,7 @@ def _add_generate(commands) -> None:
     p.add_argument("--backend", default="auto", help="experts path (default: the oracle's choice)")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GB (default 1)")
     p.add_argument("--speculative-config", type=_speculative, metavar="JSON", help=SPECULATIVE_HELP)
+    p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -601,7 +612,8 @@ def _cmd_generate(args) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)
-        config = EngineConfig(kv_cache_bytes=max(1, int(args.kv_cache_gb * 1e9)), speculative=args.speculative_config)
+        config = EngineConfig(kv_cache_bytes=max(1, int(args.kv_cache_gb * 1e9)), speculative=args.speculative_config,
+                              batch_invariant=args.batch_invariant)
         engine = LLMEngine(args.model, dtype=args.dtype, backend=args.backend, config=config)
         prompt_ids = engine.encode(args.prompt, chat=args.chat)
         engine.add_request("cli", prompt_ids, params)

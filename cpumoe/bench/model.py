@@ -20,6 +20,7 @@ that is not available (then a process-wide high-water mark).
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import resource
 import statistics
@@ -349,23 +350,27 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
 
 
 def run_formats_bench(model_paths: Sequence, cases: Sequence[ModelCase], *, dtype: torch.dtype | None = None,
-                      quick: bool = False, repeats: int = REPEATS, progress: Console | None = None) -> dict:
+                      quick: bool = False, repeats: int = REPEATS, progress: Console | None = None,
+                      batch_invariant: Sequence[bool] | None = None) -> dict:
     """Several checkpoints of one model (bf16 and its quantized twins from `cpumoe quantize`) side by side: all
     engines stay loaded and every repetition runs each case on each in turn, so the ratios to the first checkpoint
     (decode tokens/s, prefill rate) come from the same minutes. Beside each decode ratio, the most a weight stream
     allows: the first checkpoint's decode-step bytes over this one's. Memory: each engine's load is measured as the
-    resident growth and peak while it loads (the others already resident); per-case peaks hold every engine."""
+    resident growth and peak while it loads (the others already resident); per-case peaks hold every engine.
+    batch_invariant: per checkpoint, its engine's EngineConfig.batch_invariant (a path may come twice, to measure
+    the mode's cost; its rows are labelled "invariant")."""
     repeats = 1 if quick else repeats
     config = engine_config(cases)
     engines, models = [], []
-    for path in model_paths:
+    for path, invariant in zip(model_paths, batch_invariant or [False] * len(model_paths)):
         before = current_rss_gb()
         reset_peak_rss()
-        engine = LLMEngine(path, dtype=dtype, config=config)
+        engine = LLMEngine(path, dtype=dtype, config=dataclasses.replace(config, batch_invariant=invariant))
         peak, after = peak_rss_gb(), current_rss_gb()
         weights = weight_bytes(engine)
         engines.append((engine, weights))
-        models.append(dict(model=str(path), weights_format=weights_format(engine), experts_path=experts_path(engine),
+        label = weights_format(engine) + (" invariant" if invariant else "")
+        models.append(dict(model=str(path), weights_format=label, experts_path=experts_path(engine),
                            checkpoint_gb=Checkpoint(path).weights_bytes / 1e9, load_rss_gb=after - before,
                            load_peak_over_start_gb=peak - before,
                            weights=dict(asdict(weights)), dtype=str(engine.dtype).removeprefix("torch.")))

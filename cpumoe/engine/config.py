@@ -68,6 +68,7 @@ class EngineConfig:
     seed: int = 0                          # the engine's generator, for requests without a seed
     enable_prefix_caching: bool = True     # share the KV blocks of prompt prefixes computed before (vLLM's default)
     speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
+    batch_invariant: bool = False          # a request's tokens never depend on its step's other tokens or chunking
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):

@@ -78,6 +78,8 @@ class LLMEngine:
         _check_max_model_len(hf_config, config)
         self.tokenizer = None if skip_tokenizer else load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=dtype, backend=backend)
+        if config.batch_invariant:
+            self.model.make_batch_invariant()
         mc = self.model.config
         self.dtype = self.model.model.embed_tokens.weight.dtype
         # The ids the model can embed; a tokenizer may know more (added tokens past the embedding's rows).

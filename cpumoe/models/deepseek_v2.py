@@ -30,6 +30,7 @@ from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.models.blocks import AttentionContext, GatedMLP, MoEBlock, RMSNorm
 from cpumoe.models.mla import MLAttention
 from cpumoe.models.moe_decoder import ArchSpec, MoeDecoderForCausalLM, MoeDecoderModel
+from cpumoe.models.packed_linear import PackedLinear
 from cpumoe.models.rope import rope_from_config
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -132,6 +133,13 @@ class DeepseekV2TopkRouter(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.packed: PackedLinear | None = None  # batch-invariant: the weight on cpumoe's float32 linear kernel
+
+    def make_batch_invariant(self) -> None:
+        self.packed = PackedLinear(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, E] float32, as transformers
+        return F.linear(x.float(), self.weight) if self.packed is None else self.packed(x.float())
 
     def extra_repr(self) -> str:
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
@@ -160,7 +168,7 @@ class DeepseekV2MoE(MoEBlock):
         if self.experts is None:
             raise RuntimeError("DeepseekV2MoE has no experts yet: load the model with cpumoe.models.load_model")
         flat = x.reshape(-1, x.shape[-1])  # [M, H]
-        router_logits = F.linear(flat.float(), self.gate.weight)  # [M, E] float32, as transformers
+        router_logits = self.gate(flat)  # [M, E] float32
         out = self.experts(flat, router_logits)  # [M, H]
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

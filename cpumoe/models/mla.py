@@ -21,6 +21,9 @@ every head's K and V. With W_UK [nh, nope, c] and W_UV [nh, dv, c] the halves of
 so decode absorbs W_UK into the query and W_UV into the output and attends over the cache as MQA with one
 (c + r)-dim key per token whose first c channels are also its value; a prefill chunk (more FLOPs per key that way)
 instead expands its context's K and V from the cached latent through kv_b_proj and calls SDPA, as transformers does.
+Batch-invariant (make_batch_invariant): every token, prefill or decode, takes the absorbed form as a row of its own
+(the decode kernel over the latent cache, the absorptions on per-head packed copies of W_UK and W_UV), so its
+result never depends on the other tokens of its step or on its prompt's chunking.
 Shapes: T tokens, S decoding sequences, nh heads, c kv_lora_rank, r qk_rope_head_dim, nope qk_nope_head_dim,
 dqk = nope + r, dv v_head_dim, L cached tokens.
 """
@@ -31,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpumoe.engine.kv_cache import KVCacheLayout
-from cpumoe.models.blocks import AttentionContext, DecodeBatch, RMSNorm
+from cpumoe.models.blocks import AttentionContext, DecodeBatch, RMSNorm, row_attention
+from cpumoe.models.packed_linear import PackedLinear
 from cpumoe.models.rope import rope_parameters, rope_type, yarn_mscale
 
 # transformers builds q_a_layernorm / kv_a_layernorm with DeepseekV2RMSNorm's default eps, not rms_norm_eps
@@ -85,6 +89,23 @@ class LatentUpProjection(nn.Module):
         super().__init__()
         self.num_heads, self.nope, self.v_head_dim = num_heads, qk_nope_head_dim, v_head_dim
         self.weight = nn.Parameter(torch.empty(num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank))
+        self.query_heads: nn.ModuleList | None = None  # batch-invariant: per head, W_UK^T and W_UV packed
+        self.value_heads: nn.ModuleList | None = None
+
+    def make_batch_invariant(self) -> None:
+        """Pack each head's W_UK^T [c, nope] and W_UV [dv, c] for cpumoe's linear kernel (absorb_query,
+        expand_values), whose rows do not depend on how many there are, unlike torch's batched matmul."""
+        w_uk, w_uv = self.absorbed()
+        self.query_heads = nn.ModuleList(PackedLinear(w.t().contiguous()) for w in w_uk)
+        self.value_heads = nn.ModuleList(PackedLinear(w.contiguous()) for w in w_uv)
+
+    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, nh, nope] -> q_nope W_UK [T, nh, c], head by head on the packed copies."""
+        return torch.stack([head(q_nope[:, h]) for h, head in enumerate(self.query_heads)], dim=1)
+
+    def expand_values(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [T, nh, c] -> W_UV o_lat [T, nh, dv], head by head on the packed copies."""
+        return torch.stack([head(o_lat[:, h]) for h, head in enumerate(self.value_heads)], dim=1)
 
     def forward(self, latent: torch.Tensor) -> torch.Tensor:
         return F.linear(latent, self.weight)
@@ -128,6 +149,10 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = LatentUpProjection(kv_lora_rank, num_heads, qk_nope_head_dim, v_head_dim)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self.batch_invariant = False  # paged forward: every token absorbed, as a row of its own (_rows)
+
+    def make_batch_invariant(self) -> None:
+        self.batch_invariant = True
 
     @staticmethod
     def cache_layout(kv_lora_rank: int, qk_rope_head_dim: int) -> KVCacheLayout:
@@ -176,6 +201,8 @@ class MLAttention(nn.Module):
             raise ValueError(f"layer {layer}'s KV cache is [.., {cache.shape[-2]}, {cache.shape[-1]}], MLA's latent "
                              f"cache needs [.., 1, kv_lora_rank + qk_rope_head_dim = {width}]")
         cache.view(-1, width)[context.slot_mapping] = torch.cat((latent, k_pe), dim=-1).to(cache.dtype)
+        if self.batch_invariant:
+            return self.o_proj(self._rows(q_nope, q_pe, cache, context).reshape(T, nh * self.v_head_dim))
         out = x.new_empty(T, nh, self.v_head_dim)  # [T, nh, dv]
         decode = context.decode_batch()
         if decode is not None:
@@ -194,6 +221,15 @@ class MLAttention(nn.Module):
                 out[start:start + q_len] = o[0].transpose(0, 1)  # [q_len, nh, dv]
             start += q_len
         return self.o_proj(out.reshape(T, nh * self.v_head_dim))  # [T, H]
+
+    def _rows(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+              context: AttentionContext) -> torch.Tensor:
+        """Batch-invariant MLA: every token, prefill or decode, absorbed (as _decode) and attended over the latent
+        cache by the decode kernel as a row of its own (blocks.row_attention; the values are the first c channels
+        of the keys). q_nope [T, nh, nope], q_pe [T, nh, r] -> [T, nh, dv]."""
+        q = torch.cat((self.kv_b_proj.absorb_query(q_nope), q_pe), dim=-1)  # [T, nh, c + r]
+        o_lat = row_attention(q, cache, cache[..., :self.kv_lora_rank], context, scale=self.scaling)  # [T, nh, c]
+        return self.kv_b_proj.expand_values(o_lat)
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 batch: DecodeBatch) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import nn
 
 from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.models.blocks import Attention, AttentionContext, ExpertWeights, GatedMLP, MoEBlock, QKNorm, RMSNorm
+from cpumoe.models.packed_linear import PackedLinear, QuantizedLinear
 from cpumoe.models.rope import rope_from_config
 
 
@@ -201,6 +202,22 @@ class MoeDecoderForCausalLM(nn.Module):
         ids = input_ids[None] if squeeze else input_ids  # [B, T]
         logits = self.compute_logits(self.model(ids))  # [B, T, V]
         return logits[0] if squeeze else logits
+
+    def make_batch_invariant(self) -> None:
+        """Make every token's result independent of the other tokens in its step and of how its prompt is chunked
+        (the engine's batch_invariant): attention runs as blocks.row_attention, and the products that torch's GEMMs
+        would compute (float32 routers, MLA's absorbed heads, a tied lm_head) get copies packed for cpumoe's linear
+        kernel, whose rows never depend on how many there are. The experts and the packed projections are so
+        already. Each module that needs it has a make_batch_invariant of its own."""
+        torch_gemms = [name for name, m in self.named_modules() if type(m) is nn.Linear
+                       or (isinstance(m, QuantizedLinear) and m.packed_weight is None)]
+        if torch_gemms:
+            raise ValueError(f"batch invariance needs cpumoe's kernels for every projection; {torch_gemms[0]} runs on "
+                             "torch's GEMM (backend 'naive', or a dtype or format no native path takes)")
+        for module in [m for m in self.modules() if m is not self and hasattr(m, "make_batch_invariant")]:
+            module.make_batch_invariant()
+        if self.lm_head is None:
+            self.lm_head = PackedLinear(self.model.embed_tokens.weight)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> float32 [..., V]
         if self.lm_head is None:  # tied to the embedding table [V, H]

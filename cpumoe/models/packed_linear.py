@@ -24,15 +24,21 @@ ROUTER_NAMES = ("gate", "shared_expert_gate")
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, path: str, keep_weight: bool = False):
+    """y = x W^T (+ bias) for W [N, K], packed for `path` (linear_path: the fastest of W's dtype)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, path: str | None = None,
+                 keep_weight: bool = False):
         super().__init__()
-        self.in_features, self.out_features, self.path = linear.in_features, linear.out_features, path
-        self.register_buffer("packed_weight", ops.pack_linear(linear.weight.detach(), path), persistent=False)
-        self.weight = linear.weight if keep_weight else None
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        self.path = linear_path(weight.dtype) if path is None else path
+        self.register_buffer("packed_weight", ops.pack_linear(weight.detach().contiguous(), self.path),
+                             persistent=False)
+        self.weight = weight if keep_weight else None
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        return ops.linear(x, self.packed_weight, self.bias, path=self.path, out_features=self.out_features)
+        return ops.linear(x.contiguous(), self.packed_weight, self.bias, path=self.path,
+                          out_features=self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
@@ -75,17 +81,22 @@ class QuantizedLinear(nn.Module):
                 f"path={self.path}")
 
 
+def linear_path(dtype: torch.dtype, backend: str = "auto") -> str:
+    """The kernel path dense projections of `dtype` run on ("naive" when no native one takes it)."""
+    return choose_path(ExpertsConfig(hidden_size=64, inter_size=64, num_experts=1, top_k=1, dtype=dtype), backend).name
+
+
 def pack_linears(model: nn.Module, dtype: torch.dtype, backend: str = "auto") -> int:
     """Replace the model's nn.Linear modules by PackedLinear; returns how many."""
     if backend == "naive":
         return 0
-    config = ExpertsConfig(hidden_size=64, inter_size=64, num_experts=1, top_k=1, dtype=dtype)
-    path = choose_path(config, backend).name
+    path = linear_path(dtype, backend)
     if path == "naive":
         logger.info("dense projections stay torch nn.Linear: no native kernel path takes %s", dtype)
         return 0
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, PackedLinear(linear, path, keep_weight=attr in ROUTER_NAMES))
+        setattr(model.get_submodule(parent_name), attr,
+                PackedLinear(linear.weight, linear.bias, path, keep_weight=attr in ROUTER_NAMES))
     return len(targets)

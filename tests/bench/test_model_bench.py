@@ -81,3 +81,21 @@ def test_bench_model_quantized_checkpoints_side_by_side(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--compare naive takes one checkpoint"):
         main(["bench", "model", str(src), str(int4), "--compare", "naive", "--batch", "1", "--input-len", "4",
               "--output-len", "2"])
+
+
+def test_bench_model_batch_invariant_side_by_side(tmp_path, capsys):
+    """--batch-invariant runs the checkpoint twice side by side, the second engine batch-invariant: the mode's cost
+    in the same run, with a bound of 1x (the same bytes per step)."""
+    src = make_checkpoint("qwen3-30b-a3b", tmp_path / "bf16", layers=2, vocab=400, dtype=torch.bfloat16,
+                          overrides=tiny_overrides("qwen3-30b-a3b"))
+    out = tmp_path / "invariant.json"
+    assert main(["bench", "model", str(src), "--batch-invariant", "--batch", "1,2", "--input-len", "9",
+                 "--output-len", "3", "--quick", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [m["weights_format"] for m in report["models"]] == ["bf16", "bf16 invariant"]
+    rows = report["comparison"]
+    assert [(c["batch"], c["weights_format"]) for c in rows] == [(1, "bf16 invariant"), (2, "bf16 invariant")]
+    assert all(c["decode_bound"] == pytest.approx(1.0) and c["decode_speedup"] > 0 for c in rows)
+    assert "against bf16" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="do not go together"):
+        main(["bench", "model", str(src), "--batch-invariant", "--compare", "naive", "--batch", "1"])
