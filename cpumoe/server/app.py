@@ -91,12 +91,32 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
 
     no_tokenizer = engine.tokenizer is None   # cpumoe serve --skip-tokenizer-init: token ids in, token ids out
 
+    # A token spans at most this many characters (the vocabulary's longest string: bytes, or byte-level symbols,
+    # are never fewer than the characters they decode to), so text past max_model_len of them cannot fit; a prompt
+    # of megabytes has only that much of it tokenized before it is refused, not seconds of a core's time.
+    chars_per_token = 1 if no_tokenizer else max(map(len, engine.tokenizer.get_vocab()), default=1)
+
+    def refuse_if_too_long(text: str, param: str) -> None:
+        """Raises context_length_exceeded when the first max_model_len * chars_per_token + 1 characters of a text
+        longer than that are already a context of tokens; the rest is never tokenized."""
+        fits = engine.max_model_len * chars_per_token
+        if len(text) > fits:
+            head = engine.tokenizer.encode(text[:fits + 1])
+            if len(head) >= engine.max_model_len:
+                raise APIError(400, f"the {param} has {len(text)} characters and its first {fits + 1} alone are "
+                                    f"{len(head)} tokens; this model's context is {engine.max_model_len} tokens "
+                                    "(max_model_len)", param=param, code="context_length_exceeded")
+
+    def tokenize(text: str) -> list[int]:
+        refuse_if_too_long(text, "prompt")
+        return list(engine.tokenizer.encode(text))
+
     def completion_prompt(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if no_tokenizer:
                 raise APIError(400, "this server runs without a tokenizer (--skip-tokenizer-init): send the prompt "
                                     "as token ids", param="prompt")
-            return list(engine.tokenizer.encode(prompt))
+            return tokenize(prompt)
         # ids both the tokenizer and the model's embedding know (a tokenizer may be larger than the model)
         vocab = engine.vocab_size if no_tokenizer else min(len(engine.tokenizer),
                                                           getattr(engine, "vocab_size", len(engine.tokenizer)))
@@ -110,6 +130,7 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
             raise APIError(400, "chat needs the model's tokenizer and this server runs without one "
                                 "(--skip-tokenizer-init); use /v1/completions with token ids", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        refuse_if_too_long("".join(m["content"] for m in messages), "messages")
         try:
             ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as e:   # a template may raise on a conversation it does not accept (roles, order)

@@ -478,6 +478,43 @@ class _BlockingTokenizer:
     def __len__(self):
         return len(self.inner)
 
+    def __getattr__(self, name):   # the rest (get_vocab, ...) as the tokenizer it wraps
+        return getattr(self.inner, name)
+
+
+class _RecordingTokenizer(_BlockingTokenizer):
+    """Records the length of every text it encodes, blocking nothing."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.released.set()
+        self.lengths: list[int] = []
+
+    def encode(self, text):
+        self.lengths.append(len(text))
+        return self.inner.encode(text)
+
+
+def test_a_prompt_of_megabytes_is_refused_after_tokenizing_a_context_of_it(engine):
+    """A token spans at most the vocabulary's longest string, so of a 5 MB prompt only max_model_len such tokens'
+    worth is tokenized before the 400 (the whole of it took seconds of a core); a prompt that fits is tokenized
+    whole, as before."""
+    tokenizer = _RecordingTokenizer(engine.tokenizer)
+    longest = max(map(len, tokenizer.get_vocab()))
+    with running_server(create_app(FakeEngine(tokenizer), model_name=MODEL)) as url:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "lorem ipsum " * 400_000, "max_tokens": 1})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+            assert tokenizer.lengths == [MAX_MODEL_LEN * longest + 1]
+            fits = "word " * 20
+            assert http.post("/v1/completions", json={"model": MODEL, "prompt": fits, "max_tokens": 1}).status_code == 200
+            assert tokenizer.lengths[-1] == len(fits)
+            tokenizer.lengths.clear()
+            chat = [{"role": "user", "content": "lorem ipsum " * 200_000}, {"role": "user", "content": "more"}]
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": chat, "max_tokens": 1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+            assert tokenizer.lengths == [MAX_MODEL_LEN * longest + 1]
+
 
 @pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "long"}),
                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
