@@ -29,24 +29,44 @@ TokenHook = Callable[[str, bool, float], None]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, model_name: str | None = None):
-        self.engine = engine
-        self.model_name = model_name or engine.model_path.name
+    """engine: an LLMEngine, or a function that makes one, called in the engine thread. Prefer the function
+    (from_path does): torch's OpenMP pool belongs to the thread that first runs parallel work, and a model loaded in
+    one thread and stepped in another keeps two pools on the same cores; decode steps then took 10-12 ms instead of
+    8-9 (2 cores, a 4-layer model at batch 4)."""
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, model_name: str | None = None):
         self.on_token: list[TokenHook] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._commands: list[tuple] = []
         self._cv = threading.Condition()
         self._stopping = False
         self._drained: str | None = None   # drain()'s message: new requests are refused with it
-        self._thread = threading.Thread(target=self._loop, name="cpumoe-engine", daemon=True)
+        failed: list[BaseException] = []
+        ready = threading.Event()
+
+        def run() -> None:
+            try:
+                self.engine: LLMEngine = engine() if callable(engine) else engine
+            except BaseException as e:   # raised again in the constructor's thread
+                failed.append(e)
+                return
+            finally:
+                ready.set()
+            self._loop()
+        self._thread = threading.Thread(target=run, name="cpumoe-engine", daemon=True)
         self._thread.start()
+        ready.wait()
+        if failed:
+            raise failed[0]
+        self.model_name = model_name or self.engine.model_path.name
 
     @classmethod
     def from_path(cls, model_path: str | Path, *, dtype: torch.dtype | None = None, backend: str = "auto",
                   config: EngineConfig | None = None, model_name: str | None = None,
                   skip_tokenizer: bool = False) -> "AsyncEngine":
-        return cls(LLMEngine(model_path, dtype=dtype, backend=backend, config=config, skip_tokenizer=skip_tokenizer),
-                   model_name=model_name)
+        """The engine loaded in the thread that will step it (see the class)."""
+        return cls(lambda: LLMEngine(model_path, dtype=dtype, backend=backend, config=config,
+                                     skip_tokenizer=skip_tokenizer), model_name=model_name)
 
     @property
     def tokenizer(self):

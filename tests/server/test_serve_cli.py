@@ -114,9 +114,10 @@ def test_sigterm_drains_then_ends_the_rest_with_an_error(checkpoint):
     import threading
 
     port = _free_port()
-    proc = _start(checkpoint, port, "--shutdown-grace-s", "2", "--max-model-len", "3000", "--allow-long-max-model-len")
+    # long: more tokens than the tiny model makes in the test's ~4 s (about 1 ms each)
+    proc = _start(checkpoint, port, "--shutdown-grace-s", "2", "--max-model-len", "40000", "--allow-long-max-model-len")
     base = f"http://127.0.0.1:{port}"
-    long = {"model": "tiny", "prompt": "Hello", "max_tokens": 2900, "temperature": 0, "ignore_eos": True}
+    long = {"model": "tiny", "prompt": "Hello", "max_tokens": 39000, "temperature": 0, "ignore_eos": True}
     results: dict[str, object] = {}
 
     def stream() -> None:
