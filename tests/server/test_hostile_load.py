@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from cpumoe.synthetic.checkpoint import make_checkpoint
-from tests.server.test_serve_cli import _free_port
+from tests.server.test_serve_cli import _free_port, _wait_up
 
 # Small enough to build in seconds, large enough that a decode step (~8 ms at batch 4 here) and not the server's
 # per-token overhead sets the pace, as with real models.
@@ -52,18 +52,6 @@ def server(tmp_path_factory):
         finally:
             proc.terminate()
             proc.wait(60)
-
-
-def _wait_up(proc: subprocess.Popen, port: int, log) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, f"cpumoe serve exited: {log.read_text()}"
-        assert time.monotonic() < deadline, "cpumoe serve did not come up in 120 s"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.2)
 
 
 def _stream(base: str, body: dict, drop_after: int | None = None) -> dict:

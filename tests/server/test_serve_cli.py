@@ -21,11 +21,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_up(proc: subprocess.Popen, port: int) -> None:
-    """Until `cpumoe serve` answers /health (it must not exit first, nor take over 120 s)."""
+def _wait_up(proc: subprocess.Popen, port: int, log=None) -> None:
+    """Until `cpumoe serve` answers /health (it must not exit first, nor take over 120 s). log: the file its
+    output goes to, when not to proc.stdout."""
     deadline = time.monotonic() + 120
     while True:
-        assert proc.poll() is None, f"cpumoe serve exited: {proc.stdout.read()}"
+        assert proc.poll() is None, f"cpumoe serve exited: {log.read_text() if log else proc.stdout.read()}"
         assert time.monotonic() < deadline, "cpumoe serve did not come up in 120 s"
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
