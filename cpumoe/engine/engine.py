@@ -80,6 +80,7 @@ class LLMEngine:
         self.model = load_model(model_path, dtype=dtype, backend=backend)
         if config.batch_invariant:
             self.model.make_batch_invariant()
+            log.info("batch invariant: every token's attention runs as a row of its own of the decode kernel")
         mc = self.model.config
         self.dtype = self.model.model.embed_tokens.weight.dtype
         # The ids the model can embed; a tokenizer may know more (added tokens past the embedding's rows).

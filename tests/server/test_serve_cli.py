@@ -1,5 +1,6 @@
 """`cpumoe serve` as a user starts it: a subprocess on a synthetic checkpoint, with the engine-sizing flags, answering
 the official openai client, refusing a bad request with a 4xx and serving on; bad flags exit with a clear error."""
+import os
 import socket
 import subprocess
 import sys
@@ -64,6 +65,34 @@ def test_serve_subprocess(checkpoint):
         proc.wait(30)
 
 
+def test_serve_batch_invariant_gives_a_request_the_same_tokens_alone_and_among_others(checkpoint):
+    """`cpumoe serve --batch-invariant` through HTTP: a greedy request's token ids alone, then while 7 other requests
+    of mixed lengths share its steps under a 32-token budget (its prompt chunked beside their decodes)."""
+    import concurrent.futures
+
+    port = _free_port()
+    proc = _start(checkpoint, port, "--batch-invariant", "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
+                  "--skip-tokenizer-init", env={**os.environ, "CPUMOE_LOG": "info"})
+    base = f"http://127.0.0.1:{port}"
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (90, 3, 17, 40, 1, 60, 9, 25)]
+
+    def tokens(prompt: list[int]) -> list[int]:
+        r = httpx.post(f"{base}/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+    try:
+        alone = tokens(prompts[0])
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(tokens, prompts[1:4] + prompts[:1] + prompts[4:]))
+        assert together[3] == alone and len(alone) == 48
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "batch invariant: every token's attention runs as a row" in out, out
+
+
 @pytest.mark.parametrize("flag,value", [("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-1"),
                                         ("--kv-cache-gb", "0"), ("--kv-cache-gb", "nan"), ("--kv-cache-gb", "inf"),
                                         ("--kv-cache-gb", "1e9"), ("--max-request-mb", "0")])
@@ -99,10 +128,10 @@ def test_max_model_len_past_the_trained_positions_needs_consent(checkpoint):
         main(["serve", str(checkpoint), "--port", str(_free_port()), "--max-model-len", str(positions + 1)])
 
 
-def _start(checkpoint, port: int, *extra: str) -> subprocess.Popen:
+def _start(checkpoint, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "cpumoe", "serve", str(checkpoint), "--port", str(port),
                              "--kv-cache-gb", "0.05", "--max-num-seqs", "4", "--served-model-name", "tiny", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     _wait_up(proc, port)
     return proc
 
