@@ -149,10 +149,6 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = LatentUpProjection(kv_lora_rank, num_heads, qk_nope_head_dim, v_head_dim)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
-        self.batch_invariant = False  # paged forward: every token absorbed, as a row of its own (_rows)
-
-    def make_batch_invariant(self) -> None:
-        self.batch_invariant = True
 
     @staticmethod
     def cache_layout(kv_lora_rank: int, qk_rope_head_dim: int) -> KVCacheLayout:
@@ -201,7 +197,7 @@ class MLAttention(nn.Module):
             raise ValueError(f"layer {layer}'s KV cache is [.., {cache.shape[-2]}, {cache.shape[-1]}], MLA's latent "
                              f"cache needs [.., 1, kv_lora_rank + qk_rope_head_dim = {width}]")
         cache.view(-1, width)[context.slot_mapping] = torch.cat((latent, k_pe), dim=-1).to(cache.dtype)
-        if self.batch_invariant:
+        if self.kv_b_proj.query_heads is not None:  # batch-invariant: every token absorbed, a row of its own
             return self.o_proj(self._rows(q_nope, q_pe, cache, context).reshape(T, nh * self.v_head_dim))
         out = x.new_empty(T, nh, self.v_head_dim)  # [T, nh, dv]
         decode = context.decode_batch()
