@@ -138,7 +138,9 @@ def _cmd_info(args) -> int:
     from cpumoe.experts import all_paths, choose_path, path_report
 
     console = _console()
-    console.print(f"[bold]cpumoe[/] {__version__}   torch {torch.__version__}   threads {torch.get_num_threads()}")
+    console.print(f"[bold]cpumoe[/] {__version__}   torch {torch.__version__}   threads {torch.get_num_threads()} "
+                  f"(kernels on cpumoe's worker pool; torch's ops on OpenMP, GOMP_SPINCOUNT "
+                  f"{os.environ.get('GOMP_SPINCOUNT', 'unset')})")
     console.print(f"[bold]CPU[/] {cpu_model()}")
     console.print(f"[bold]features[/] {' '.join(ops.cpu_features()) or '(none detected)'}")
     console.print(_paths_table(all_paths()))

@@ -17,7 +17,10 @@
 
 namespace cpumoe {
 
-// Runs body(worker) once for each worker in [0, workers), concurrently.
+// run(workers, body): body(worker) for workers in [0, workers), concurrently. A pool may leave out helpers that are
+// not free in time (the caller always runs body(0)): parallel_items, which hands out items from a shared counter,
+// is right either way; code that needs every index to run (the bandwidth probe) must be given a Parallel that
+// runs them all.
 struct Parallel {
   int workers = 1;
   std::function<void(int, const std::function<void(int)>&)> run;

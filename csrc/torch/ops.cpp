@@ -18,13 +18,24 @@
 #include "../core/rope.h"
 #include "../core/pack.h"
 #include "../core/quant_pack.h"
+#include "../core/worker_pool.h"
 #include "output_guards.h"
 #include "packed.h"
 
 namespace cpumoe {
 namespace {
 
-Parallel torch_parallel() {
+// The kernels' workers: this process's WorkerPool, as wide as torch's intra-op threads. Their work is handed out
+// by parallel_items, right whichever helpers take part.
+Parallel kernel_parallel() {
+  Parallel p;
+  p.workers = at::get_num_threads();
+  p.run = [](int n, const std::function<void(int)>& body) { WorkerPool::shared().run(n, body); };
+  return p;
+}
+
+// The bandwidth probe's workers, each of which must run (every one reads its own slice): torch's OpenMP team.
+Parallel probe_parallel() {
   Parallel p;
   p.workers = at::get_num_threads();
   p.run = [](int n, const std::function<void(int)>& body) {
@@ -201,7 +212,7 @@ at::Tensor run_fused(FusedMoeArgs& a, const at::Tensor& hidden, const at::Tensor
   a.out = out.data_ptr();
   a.apply_router_weight_on_input = apply_router_weight_on_input;
   try {
-    fused_moe(a, torch_parallel());
+    fused_moe(a, kernel_parallel());
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
@@ -356,7 +367,7 @@ at::Tensor run_linear(LinearArgs& a, const at::Tensor& x, const at::Tensor& w, c
   a.w = w.data_ptr();
   a.bias = bias ? b.data_ptr<float>() : nullptr;
   a.out = out.data_ptr();
-  linear(a, torch_parallel());
+  linear(a, kernel_parallel());
   check_output_guards(out, "linear");
   return out.view(out_shape);
 }
@@ -431,7 +442,7 @@ std::tuple<at::Tensor, at::Tensor> route_op(const at::Tensor& logits, int64_t to
   a.logits = logits.data_ptr();
   a.weights = weights.data_ptr<float>();
   a.ids = ids.data_ptr<int32_t>();
-  route(a, torch_parallel());
+  route(a, kernel_parallel());
   check_output_guards(weights, "route (weights)");
   check_output_guards(ids, "route (ids)");
   return {weights, ids};
@@ -512,7 +523,7 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
     kernel = &kernel_or_throw(path);
     TORCH_CHECK_VALUE(kernel->attention, "kernel path '", path, "' has no decode attention");
   }
-  decode_attention(a, *kernel, torch_parallel());
+  decode_attention(a, *kernel, kernel_parallel());
   check_output_guards(out, "decode_attention");
   return out;
 }
@@ -534,7 +545,7 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
   a.x = x.data_ptr();
   a.weight = weight.data_ptr();
   a.out = out.data_ptr();
-  rms_norm(a, torch_parallel());
+  rms_norm(a, kernel_parallel());
   check_output_guards(out, "rms_norm");
   return out;
 }
@@ -585,7 +596,7 @@ void rope_and_cache_op(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   a.k_cache = k_cache.data_ptr();
   a.v_cache = v_cache.data_ptr();
   a.slots = slot;
-  rope_and_cache(a, torch_parallel());
+  rope_and_cache(a, kernel_parallel());
 }
 
 }  // namespace
@@ -662,7 +673,7 @@ PYBIND11_MODULE(_C, m) {
   }, "((w13 blocks, block elems), (w2 blocks, block elems)) per expert for hidden H, intermediate I");
   pybind11::class_<cpumoe::ReadBandwidthProbe>(m, "ReadBandwidthProbe",
       "A buffer of `bytes`; read_gbps() times one multi-threaded streaming read of all of it")
-      .def(pybind11::init([](int64_t bytes) { return new cpumoe::ReadBandwidthProbe(bytes, cpumoe::torch_parallel()); }),
+      .def(pybind11::init([](int64_t bytes) { return new cpumoe::ReadBandwidthProbe(bytes, cpumoe::probe_parallel()); }),
            pybind11::arg("bytes"))
       .def("read_gbps", &cpumoe::ReadBandwidthProbe::read_gbps, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("bytes", &cpumoe::ReadBandwidthProbe::bytes);
@@ -687,7 +698,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("release_free_memory", &cpumoe::release_free_memory,
         "Return the allocator's free memory to the OS (malloc_trim); false if nothing was released");
   m.def("measure_read_bandwidth", [](int64_t bytes, int repetitions) {
-    auto r = cpumoe::measure_read_bandwidth(bytes, repetitions, cpumoe::torch_parallel());
+    auto r = cpumoe::measure_read_bandwidth(bytes, repetitions, cpumoe::probe_parallel());
     return std::make_tuple(r.best_gbps, r.median_gbps);
   }, pybind11::arg("bytes"), pybind11::arg("repetitions") = 5,
      "(best, median) GB/s of a multi-threaded streaming read of a buffer of `bytes`",
