@@ -49,6 +49,8 @@ class ModelRunner:
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute the batch's new tokens into the cache; float32 logits [R, V] at the logits_indices rows."""
         input_ids, context, logits_indices = self.prepare(batch)
+        if logits_indices == list(range(len(input_ids))):   # every row (a decode step): no gather, no torch thread woken
+            return self.model(input_ids, context=context)
         return self.model(input_ids, context=context, logits_indices=torch.tensor(logits_indices, dtype=torch.long))
 
     @torch.inference_mode()
