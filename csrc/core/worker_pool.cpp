@@ -1,7 +1,7 @@
 #include "worker_pool.h"
 
 #include <chrono>
-#include <unistd.h>
+#include <pthread.h>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -34,15 +34,17 @@ WorkerPool::~WorkerPool() {
 }
 
 WorkerPool& WorkerPool::shared() {
-  static pid_t owner = 0;
-  static WorkerPool* pool = nullptr;
+  // Read once a kernel call, so no lock and no getpid() on that path: a forked child, whose helpers did not survive
+  // the fork, drops its copy of the pointer (the old pool is left as it is) and makes a pool of its own on first use.
+  static std::atomic<WorkerPool*> pool{nullptr};
+  WorkerPool* current = pool.load(std::memory_order_acquire);
+  if (current) return *current;
   static std::mutex made;
   std::lock_guard<std::mutex> lock(made);
-  if (owner != getpid()) {   // first use, or a forked child: the old pool's helpers are gone, so it is left as is
-    pool = new WorkerPool();
-    owner = getpid();
-  }
-  return *pool;
+  static bool registered = [] { return pthread_atfork(nullptr, nullptr, [] { pool.store(nullptr); }) == 0; }();
+  (void)registered;
+  if (!pool.load(std::memory_order_relaxed)) pool.store(new WorkerPool(), std::memory_order_release);
+  return *pool.load(std::memory_order_relaxed);
 }
 
 void WorkerPool::grow(int helpers) {
