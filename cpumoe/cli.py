@@ -6,6 +6,12 @@
     cpumoe quantize SRC DST --format F [--layout L]  a float checkpoint -> a public quantized layout
     cpumoe generate MODEL --prompt TEXT [--chat]    stream a completion from a local checkpoint, then tokens/s
     cpumoe serve MODEL [--host H --port P --api-key K]  an OpenAI-compatible server (/v1/completions, /v1/chat/...)
+    cpumoe bench serve|sweep|experts|prune ...      the benchmark suite (each writes rows to a results database)
+    cpumoe prune MODEL OUT --method inter|intra --ratio R  a pruned checkpoint
+    cpumoe report --db FILE --out DIR               an HTML page of a results database's figures and tables
+
+The suite's commands live beside what they run (cpumoe/bench/*, cpumoe/prune, cpumoe/report): each module gives an
+`add_parser(subparsers)` that builds its parser and imports nothing heavy until its handler runs.
 
 Each subcommand is a parser built by `_add_<name>` and a handler `_cmd_<name>(args) -> exit code`.
 """
@@ -44,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize(commands)
     _add_generate(commands)
     _add_serve(commands)
+    from cpumoe.prune.cli import add_parser as add_prune
+    from cpumoe.report.cli import add_parser as add_report
+    add_prune(commands)
+    add_report(commands)
     return parser
 
 
@@ -271,6 +281,13 @@ def _add_bench(commands) -> None:
                    help="instead: where a decode step's time goes (experts, dense GEMMs, attention, glue, engine) at "
                         "each --batch, after a prompt of the first --input-len")
     p.set_defaults(func=_cmd_bench_model)
+
+    from cpumoe.bench.activation.cli import add_parser as add_experts
+    from cpumoe.bench.pruning.cli import add_parser as add_prune_sweep
+    from cpumoe.bench.serve.cli import add_parser as add_serve
+    from cpumoe.bench.sweep.cli import add_parser as add_sweep
+    for add in (add_serve, add_sweep, add_experts, add_prune_sweep):
+        add(bench)
 
 
 def _layer_preset(args):

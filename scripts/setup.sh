@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Prepares a fresh machine for cpumoe: the Arm cross toolchain and qemu (for the Arm kernel tests), a
+# Prepares a fresh machine for cpumoe: the Arm cross toolchain and qemu (for the Arm kernel tests), Debian's
+# chromium (for the report page's browser test), a
 # virtualenv in .venv with the CPU build of PyTorch 2.13.0, and cpumoe built in place. Idempotent: it
 # skips what is already there.
 set -euo pipefail
@@ -8,12 +9,13 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v aarch64-linux-gnu-g++ >/dev/null || need_apt+=(g++-aarch64-linux-gnu)
 command -v qemu-aarch64-static >/dev/null || need_apt+=(qemu-user-static)
+command -v chromium >/dev/null || need_apt+=(chromium)   # the report's browser test (playwright drives it)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing ${need_apt[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
   else
-    echo "setup: ${need_apt[*]} missing (not root): the Arm kernel tests will be skipped"
+    echo "setup: ${need_apt[*]} missing (not root): the Arm kernel and report browser tests will be skipped"
   fi
 fi
 
@@ -31,7 +33,7 @@ stamp=.venv/.cpumoe-deps
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q setuptools wheel
   .venv/bin/pip install -q torch==2.13.0 numpy rich pytest transformers safetensors tokenizers fastapi uvicorn prometheus_client openai httpx \
-    compressed-tensors
+    compressed-tensors aiohttp matplotlib playwright ray
   touch "$stamp"
 fi
 # Rebuild the extension when a C++ source or the build script changed.

@@ -1,0 +1,1 @@
+"""`cpumoe bench experts`: which experts a prompt set routes to, per layer; heatmaps and load imbalance."""

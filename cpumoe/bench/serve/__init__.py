@@ -1,0 +1,1 @@
+"""`cpumoe bench serve`: a load generator for any OpenAI-compatible server."""

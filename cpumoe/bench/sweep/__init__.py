@@ -1,0 +1,1 @@
+"""`cpumoe bench sweep`: the MoE-Inference-Bench sweeps, resumable, optionally spread over Ray."""

@@ -1,0 +1,1 @@
+"""`cpumoe prune`: inter-expert and intra-expert pruning of a MoE checkpoint."""
