@@ -108,13 +108,23 @@ def source_commit() -> str | None:
 class ResultsDB:
     """The results database at `path` (created with its table if new). Use as a context manager, or close()."""
 
-    def __init__(self, path: str | os.PathLike = DEFAULT_DB) -> None:
+    def __init__(self, path: str | os.PathLike = DEFAULT_DB, *, read_only: bool = False) -> None:
+        """read_only: open an existing database without writing to it (a report); a missing file is an error."""
         self.path = Path(path)
-        if self.path.parent != Path(""):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._db = sqlite3.connect(self.path, timeout=30)
-            self._db.executescript(_SCHEMA)
+            if read_only:
+                if not self.path.is_file():
+                    raise ValueError(f"{self.path}: no such results database")
+                self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+                self._db.execute("SELECT 1 FROM results LIMIT 1")
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._db = sqlite3.connect(self.path, timeout=30)
+                # A write-ahead log committed without an fsync per row: a sweep appends thousands of rows, and a
+                # crash loses at most the last few (which a resumed sweep runs again).
+                self._db.execute("PRAGMA journal_mode = WAL")
+                self._db.execute("PRAGMA synchronous = NORMAL")
+                self._db.executescript(_SCHEMA)
         except sqlite3.DatabaseError as e:   # a file that is not a database, or one locked past the timeout
             raise ValueError(f"{self.path}: not a usable results database: {e}") from None
         self._facts = machine_facts()

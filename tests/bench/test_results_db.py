@@ -52,3 +52,16 @@ def test_bad_status_and_bad_file_are_refused(tmp_path):
     with pytest.raises(ValueError, match="not a usable results database"):
         ResultsDB(bad)
     assert sqlite3.sqlite_version
+
+
+def test_read_only_reads_and_never_writes(tmp_path):
+    path = tmp_path / "r.db"
+    with pytest.raises(ValueError, match="no such results database"):
+        ResultsDB(path, read_only=True)
+    assert not path.exists()
+    with ResultsDB(path) as db:
+        db.add("layer", {"m": 1}, {"t": 1.0})
+    with ResultsDB(path, read_only=True) as db:
+        assert [r.metrics for r in db.rows()] == [{"t": 1.0}]
+        with pytest.raises(sqlite3.OperationalError):   # readonly database
+            db.add("layer", {"m": 2}, {})
