@@ -183,6 +183,8 @@ class LayerResult:
     speedup_vs_bf16: float | None = None      # the bf16 fused path in the same repetitions / this
     target_vs_bf16: float | None = None       # the target for speedup_vs_bf16 (quantized formats)
     bytes_bound_vs_bf16: float | None = None  # decode: bf16 bytes / this row's bytes, the most a stream allows
+    ms_min: float | None = None               # the fastest and slowest of the timed calls
+    ms_max: float | None = None
 
 
 @dataclass(slots=True)
@@ -347,7 +349,7 @@ def measure_tokens(layers: dict[Case, FusedMoE], pools: dict[torch.dtype, list[L
             format=case.format.name, path=case.path, tokens=tokens, ms=seconds * 1e3, repetitions=len(ts),
             distinct_experts=round(distinct), expert_bytes=expert_bytes, gflops=gflops, gbs=gbs,
             bandwidth_gbs=gbps, bandwidth_pct=100 * gbs / gbps, mm_gflops=mm_gflops,
-            peak_pct=100 * gflops / mm_gflops)
+            peak_pct=100 * gflops / mm_gflops, ms_min=min(ts) * 1e3, ms_max=max(ts) * 1e3)
     return results
 
 
