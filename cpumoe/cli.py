@@ -28,6 +28,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from cpumoe.bench.results import add_db_arguments
 from cpumoe.engine.config import EngineConfig
 from cpumoe.server import limits
 
@@ -252,6 +253,7 @@ def _add_bench(commands) -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write every result and the machine's limits here")
     p.add_argument("--quick", action="store_true", help="1-3 repetitions per case and a quicker machine measurement")
+    add_db_arguments(p)
     p.set_defaults(func=_cmd_bench_layer)
 
     p = bench.add_parser("model", help="the offline engine on random prompts: TTFT, ITL, throughput, decode GB/s")
@@ -280,6 +282,7 @@ def _add_bench(commands) -> None:
     p.add_argument("--profile", action="store_true",
                    help="instead: where a decode step's time goes (experts, dense GEMMs, attention, glue, engine) at "
                         "each --batch, after a prompt of the first --input-len")
+    add_db_arguments(p)
     p.set_defaults(func=_cmd_bench_model)
 
     from cpumoe.bench.activation.cli import add_parser as add_experts
@@ -325,7 +328,22 @@ def _cmd_bench_layer(args) -> int:
                              progress=Console(stderr=True))
     render_layer_report(report, console)
     _write_json(report, args.json, console)
+    from cpumoe.bench.sweep.rows import record_layer_report
+    _record(args.db, args.no_db, lambda db: record_layer_report(db, report), console)
     return 0
+
+
+def _record(path: str, skip: bool, write, console: Console) -> None:
+    """write(db) appends a report's rows to the results database at `path` (unless `skip`: --no-db)."""
+    from cpumoe.bench.results import ResultsDB
+    if skip:
+        return
+    try:
+        with ResultsDB(path) as db:
+            ids = write(db)
+    except ValueError as e:
+        sys.exit(f"cpumoe bench: error: --db: {e}")
+    console.print(f"{len(ids)} rows appended to {path}")
 
 
 def _write_json(report: dict, path: str | None, console: Console) -> None:
@@ -370,6 +388,8 @@ def _cmd_bench_model(args) -> int:
         sys.exit(f"cpumoe bench model: error: {e}")
     (render_formats_report if "models" in report else render_model_report)(report, console)
     _write_json(report, args.json, console)
+    from cpumoe.bench.sweep.rows import record_model_report
+    _record(args.db, args.no_db, lambda db: record_model_report(db, report), console)
     return 0
 
 

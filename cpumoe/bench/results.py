@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-DEFAULT_DB = "cpumoe-results.db"   # under the current directory
+DEFAULT_DB = "cpumoe-results.db"   # under the current directory, unless $CPUMOE_RESULTS_DB names another
 DONE_STATUSES = ("ok", "oom")     # a case with one of these is not run again by a sweep
 STATUSES = ("ok", "oom", "error")
 
@@ -72,6 +72,19 @@ class Row:
     created: float
 
 
+def default_db() -> str:
+    return os.environ.get("CPUMOE_RESULTS_DB") or DEFAULT_DB
+
+
+def add_db_arguments(parser) -> None:
+    """--db FILE and --no-db, as every benchmark that writes rows takes them."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--db", metavar="FILE", default=default_db(),
+                       help=f"the results database rows are appended to (default $CPUMOE_RESULTS_DB or {DEFAULT_DB} "
+                            "here)")
+    group.add_argument("--no-db", action="store_true", help="write no rows to a results database")
+
+
 def case_key(case: Mapping[str, Any]) -> str:
     """The canonical text of a case: the same parameters give the same key whatever their order."""
     return json.dumps(dict(case), sort_keys=True, separators=(",", ":"), default=str)
@@ -108,7 +121,7 @@ def source_commit() -> str | None:
 class ResultsDB:
     """The results database at `path` (created with its table if new). Use as a context manager, or close()."""
 
-    def __init__(self, path: str | os.PathLike = DEFAULT_DB, *, read_only: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, *, read_only: bool = False) -> None:
         """read_only: open an existing database without writing to it (a report); a missing file is an error."""
         self.path = Path(path)
         try:

@@ -14,12 +14,13 @@ DEFAULT_OUT = "cpumoe-report"
 
 
 def add_parser(subparsers) -> None:
-    from cpumoe.bench.results import DEFAULT_DB
+    from cpumoe.bench.results import DEFAULT_DB, default_db
 
     p = subparsers.add_parser("report", help="a results database as one static HTML page, with Markdown and CSV",
                               description="Draw a results database as one static HTML page (PNG figures, tables "
                                           "with median and range over runs) plus tables.md and csv/<table>.csv.")
-    p.add_argument("--db", default=DEFAULT_DB, help=f"the results database to read (default {DEFAULT_DB})")
+    p.add_argument("--db", default=default_db(),
+                   help=f"the results database to read (default $CPUMOE_RESULTS_DB or {DEFAULT_DB} here)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"the directory to write the page into (default {DEFAULT_OUT})")
     p.add_argument("--skeleton", type=_skeleton, default=None, metavar="H,I,E,k",
                    help="the layer shape the sweeps vary one parameter of (default: the most common among the rows)")

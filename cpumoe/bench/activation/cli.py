@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cpumoe.bench.results import DEFAULT_DB
+from cpumoe.bench.results import add_db_arguments
 
 PROG = "cpumoe bench experts"
 DEFAULT_RANDOM_TOKENS = 2048
@@ -49,8 +49,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", default="experts-heatmap.png", metavar="PNG",
                    help="the layer x expert heatmap (default experts-heatmap.png)")
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), help="model dtype (default: the checkpoint's)")
-    p.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
-    p.add_argument("--no-db", action="store_true", help="write nothing to a results database")
+    add_db_arguments(p)
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     p.set_defaults(func=_cmd_experts)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cpumoe.bench.results import DEFAULT_DB
+from cpumoe.bench.results import add_db_arguments
 
 PROG = "cpumoe bench prune"
 
@@ -62,8 +62,7 @@ def add_parser(subparsers) -> None:
                                                         "mm)")
     p.add_argument("--work-dir", metavar="DIR", help="where each pruned copy is written and removed after its case "
                                                      "(default: the system's temporary directory)")
-    p.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
-    p.add_argument("--no-db", action="store_true", help="write nothing to a results database")
+    add_db_arguments(p)
     p.set_defaults(func=_cmd_prune_sweep)
 
 

@@ -64,7 +64,7 @@ def _positive_float(text: str) -> float:
 
 
 def add_parser(subparsers) -> None:
-    from cpumoe.bench.results import DEFAULT_DB
+    from cpumoe.bench.results import add_db_arguments
 
     p = subparsers.add_parser(
         "serve", help="load an OpenAI-compatible server (cpumoe, vLLM, llama-server) and report its latencies",
@@ -106,8 +106,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--request-timeout", metavar="S", type=_positive_float, default=6 * 3600.0,
                    help="seconds a request may take (default 21600)")
     p.add_argument("--no-ceiling", action="store_true", help="skip measuring the client's ceiling (~1 s)")
-    p.add_argument("--db", metavar="FILE", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
-    p.add_argument("--no-db", action="store_true", help="write no rows to the results database")
+    add_db_arguments(p)
     p.set_defaults(func=_cmd_bench_serve)
 
 

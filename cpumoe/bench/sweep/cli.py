@@ -13,6 +13,8 @@ import argparse
 import os
 import sys
 
+from cpumoe.bench.results import add_db_arguments
+
 PROG = "cpumoe bench sweep"
 
 
@@ -86,8 +88,7 @@ def add_parser(subparsers) -> None:
         p.add_argument("--experts", type=_impls, default=["fused"], metavar="IMPLS", help=impl_help)
         p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                        help="threads per case, and CPUs a Ray task reserves (default: all cores, %(default)s here)")
-        p.add_argument("--db", metavar="FILE", help="results database (default cpumoe-results.db here)")
-        p.add_argument("--no-db", action="store_true", help="write no rows (nothing is skipped either)")
+        add_db_arguments(p)
         p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
                        help="run each unit as a Ray task (no ADDRESS: a local Ray runtime; else connect to it)")
         p.add_argument("--max-memory-gb", type=float,
@@ -156,8 +157,6 @@ def _check_common(args) -> None:
         _fail(args, f"--threads must be positive, got {args.threads}")
     if args.max_memory_gb is not None and not args.max_memory_gb > 0:
         _fail(args, f"--max-memory-gb must be positive, got {args.max_memory_gb}")
-    if args.db and args.no_db:
-        _fail(args, "--db and --no-db do not go together")
     if getattr(args, "repeats", None) is not None and args.repeats < 1:
         _fail(args, f"--repeats must be positive, got {args.repeats}")
     if args.ray is not None:
@@ -257,7 +256,7 @@ def _cmd_model(args) -> int:
 
 
 def _run(args, units) -> int:
-    from cpumoe.bench.results import DEFAULT_DB, ResultsDB
+    from cpumoe.bench.results import ResultsDB
     from cpumoe.bench.sweep.memory import MemoryPolicy
     from cpumoe.bench.sweep.report import print_plan, print_summary
     from cpumoe.bench.sweep.runner import SweepError, cluster_machines, connect_ray, pending_units, run_sweep
@@ -266,7 +265,7 @@ def _run(args, units) -> int:
 
     console = _console()
     try:
-        db = None if args.no_db else ResultsDB(args.db or DEFAULT_DB)
+        db = None if args.no_db else ResultsDB(args.db)
     except ValueError as e:   # a file that is not a results database
         _fail(args, str(e))
     policy = MemoryPolicy(limit_bytes=None if args.max_memory_gb is None else int(args.max_memory_gb * 1e9))
@@ -290,5 +289,5 @@ def _run(args, units) -> int:
     finally:
         if db is not None:
             db.close()
-    print_summary(console, summary, db_path=None if args.no_db else (args.db or DEFAULT_DB))
+    print_summary(console, summary, db_path=None if args.no_db else args.db)
     return 0
