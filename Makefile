@@ -1,5 +1,5 @@
 # The two entry points of the README. Both set up what they need first (scripts/setup.sh).
-.PHONY: setup bench bench-layer bench-layer-quant bench-quant test test-fast
+.PHONY: setup bench bench-layer bench-layer-quant bench-quant bench-suite test test-fast
 
 setup:
 	@scripts/setup.sh
@@ -40,6 +40,12 @@ bench-layer: setup
 # The quantized formats beside bf16, on the paths the oracle would choose and the naive loop.
 bench-layer-quant: setup
 	.venv/bin/cpumoe bench layer --preset qwen3-30b-a3b --tokens 1,8,2048 --dtype bf16,int8,int4,fp8,mxfp4
+
+# The benchmark suite on the default checkpoint (about 40 minutes here): the paper's layer sweeps, the runtime sweep,
+# expert activation, pruning and serving, all in one results database, drawn as cpumoe-report/index.html.
+SUITE_DB ?= cpumoe-results.db
+bench-suite: setup $(MODEL)
+	scripts/bench-suite.sh $(MODEL) $(SUITE_DB) cpumoe-report
 
 # All tests, the slow ones included (what CI runs).
 test: setup

@@ -241,7 +241,9 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
                 async with aclosing(outputs(request_id, prompt_ids, params)) as outs:
                     async for out in outs:
                         n_generated = out.completion_tokens or n_generated + len(out.new_token_ids)
-                        if out.new_text or out.finished or (no_tokenizer and out.new_token_ids):
+                        # a chunk per step that made tokens, with empty text while they end inside a character
+                        # (as vLLM streams): a client times every step, not just those that completed a character
+                        if out.new_text or out.finished or out.new_token_ids:
                             yield _sse(chunk(out.new_text, out.finish_reason if out.finished else None,
                                              out.new_token_ids))
                 if body.include_usage():
@@ -273,7 +275,7 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
                 async with aclosing(outputs(request_id, prompt_ids, params)) as outs:
                     async for out in outs:
                         n_generated = out.completion_tokens or n_generated + len(out.new_token_ids)
-                        if out.new_text:
+                        if out.new_text or (out.new_token_ids and not out.finished):   # as completions
                             yield _sse(chunk(Delta(content=out.new_text)))
                         if out.finished:
                             yield _sse(chunk(Delta(), out.finish_reason or "stop"))

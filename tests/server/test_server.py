@@ -160,6 +160,38 @@ def test_completion_stream(client, engine):
     assert len({c.id for c in chunks}) == 1 and chunks[0].id in engine.finished
 
 
+class HeldTextEngine(FakeEngine):
+    """FakeEngine whose every other step ends inside a character: that step's text comes with the next one."""
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        held = ""
+        async for out in super().generate(request_id, prompt_token_ids, params):
+            step = len(out.new_token_ids) and out.completion_tokens
+            if step % 2 == 1 and not out.finished:
+                held, out.new_text = out.new_text, ""
+            else:
+                held, out.new_text = "", held + out.new_text
+            yield out
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_step_without_text_still_streams_a_chunk(engine, endpoint):
+    """One chunk per step that made tokens, its text empty while a character is incomplete (as vLLM streams): a
+    client times every step, and the text is whole once joined."""
+    held = HeldTextEngine(engine.tokenizer)
+    with running_server(create_app(held, model_name=MODEL)) as url, \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=20) as c:
+        if endpoint == "completions":
+            chunks = [ch for ch in c.completions.create(model=MODEL, prompt="Hi", max_tokens=5, stream=True)]
+            texts = [ch.choices[0].text for ch in chunks if ch.choices]
+        else:
+            chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=5, stream=True))
+            texts = [ch.choices[0].delta.content for ch in chunks[1:] if ch.choices and not ch.choices[0].finish_reason]
+    assert "".join(texts) == " alpha beta gamma delta epsilon"
+    assert len(texts) == 5 and texts[0] == "" and texts[2] == ""
+
+
 def test_chat(client, engine):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three letters."}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, seed=1)

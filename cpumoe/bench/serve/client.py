@@ -8,10 +8,11 @@
 One aiohttp ClientSession with a connection limit no lower than the concurrency, so no request waits for a
 connection the client holds back. Metrics are computed afterwards from the timestamps (metrics.py).
 
-What a "token chunk" is: an SSE event whose first choice carries text (completions: a non-empty `text` or
-`token_ids`; chat: a non-empty `delta.content`). The chat role-only first event, a final event with only a
-finish_reason, the usage event and [DONE] carry no token and are not timed. Events that arrive in one network read
-share its timestamp.
+What a "token chunk" is: an SSE event whose first choice carries text or the promise of it (completions: a `text`
+or `token_ids`; chat: a `delta.content`), empty text included while the choice has no finish_reason: a server
+streams one chunk per step that made tokens, and a token that is part of a character (or a special token) has no
+text of its own yet. The chat role-only first event, a final event with only a finish_reason, the usage event and
+[DONE] carry no token and are not timed. Events that arrive in one network read share its timestamp.
 """
 from __future__ import annotations
 
@@ -166,11 +167,15 @@ def _token_text(event: dict, chat: bool) -> str | None:
     if not choices:
         return None
     choice = choices[0]
+    open_ = choice.get("finish_reason") is None
     if chat:
-        text = (choice.get("delta") or {}).get("content")
-        return text or None
+        delta = choice.get("delta") or {}
+        text = delta.get("content")
+        if "role" in delta or text is None:   # the role-only first event; a delta without content
+            return None
+        return text if text or open_ else None
     text = choice.get("text")
-    if text:
+    if text or (text is not None and open_):
         return text
     return "" if choice.get("token_ids") else None   # a server without a tokenizer streams ids only
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from cpumoe.bench.serve.client import RequestOutput, arrival_offsets
+from cpumoe.bench.serve.client import RequestOutput, _token_text, arrival_offsets
 from cpumoe.bench.serve.metrics import compute_metrics, meets_slos, summary, tpot
 
 
@@ -72,3 +72,18 @@ def test_arrivals_are_seeded_and_inf_sends_all_at_once():
     assert np.array_equal(arrival_offsets(50, 2.0, 1.0, seed=3), arrival_offsets(50, 2.0, 1.0, seed=3))
     assert not np.array_equal(arrival_offsets(50, 2.0, 1.0, seed=3), arrival_offsets(50, 2.0, 1.0, seed=4))
     assert np.array_equal(arrival_offsets(5, float("inf"), 1.0, seed=0), np.zeros(5))
+
+
+@pytest.mark.parametrize("event, chat, expected", [
+    ({"choices": [{"text": " a", "finish_reason": None}]}, False, " a"),
+    ({"choices": [{"text": "", "finish_reason": None}]}, False, ""),           # a step inside a character: timed
+    ({"choices": [{"text": "", "finish_reason": "length"}]}, False, None),    # a bare finish: not a token
+    ({"choices": [{"text": " z", "finish_reason": "length"}]}, False, " z"),
+    ({"choices": [], "usage": {"completion_tokens": 3}}, False, None),
+    ({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, True, None),   # the role-only first event
+    ({"choices": [{"delta": {"content": ""}, "finish_reason": None}]}, True, ""),
+    ({"choices": [{"delta": {}, "finish_reason": "stop"}]}, True, None),
+    ({"choices": [{"delta": {"content": "b"}, "finish_reason": None}]}, True, "b"),
+])
+def test_which_events_are_token_chunks(event, chat, expected):
+    assert _token_text(event, chat) == expected
