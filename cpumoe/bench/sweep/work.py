@@ -94,10 +94,16 @@ def _run_layer(unit: LayerUnit, on_case: Callable[[str], None]) -> Iterator[Outc
     by_tokens = {c["tokens"]: c for c in unit.cases()}
     for result in lb.run_cases(preset, cases, unit.tokens, machine, lb.reference_case(cases), quick=unit.quick,
                                on_case=lambda what: on_case(f"{unit.label}: {what}")):
-        r = asdict(result)
+        # Quick timing takes one to three probe reads beside a case, and one read slowed by anything else on the
+        # machine put cases at 150-340% of "the limit". The limit is the better of those reads and the
+        # machine's own measurement (best of three) at the start of the run.
+        bandwidth = max(result.bandwidth_gbs, machine.bandwidth_gbs)
+        mm_gflops = max(result.mm_gflops, machine.mm_gflops)
+        r = asdict(result) | dict(bandwidth_gbs=bandwidth, bandwidth_pct=100 * result.gbs / bandwidth,
+                                  mm_gflops=mm_gflops, peak_pct=100 * result.gflops / mm_gflops)
         yield Outcome("layer", by_tokens[result.tokens], "ok",
                       layer_metrics(r, hidden=preset.hidden, inter=preset.inter, top_k=preset.top_k),
-                      bandwidth_gbs=result.bandwidth_gbs, mm_gflops=result.mm_gflops)
+                      bandwidth_gbs=bandwidth, mm_gflops=mm_gflops)
 
 
 def _run_model(unit: ModelUnit, on_case: Callable[[str], None]) -> Iterator[Outcome]:
