@@ -177,8 +177,8 @@ def _cmd_bench_serve(args) -> int:
                            request_rates=tuple(args.request_rate), burstiness=args.burstiness,
                            max_concurrency=args.max_concurrency, seed=args.seed, goodput=goodput,
                            tokenizer=tokenizer.name if tokenizer else None)
-    try:
-        prompts = run.make_prompts(bench, tokenizer)
+    try:   # every rate's prompts before any clock starts
+        prompt_sets = [run.make_prompts(bench, tokenizer, i) for i in range(len(bench.request_rates))]
     except ValueError as e:
         _fail(str(e))
 
@@ -188,10 +188,10 @@ def _cmd_bench_serve(args) -> int:
         ceiling = client_ceiling().chunks_per_s
 
     results = []
-    for rate in bench.request_rates:
+    for rate, prompts in zip(bench.request_rates, prompt_sets):
         console.print(f"rate {rate:g} req/s: {len(prompts)} requests to {target.url} ...", highlight=False)
         results.append(run.run_rate(bench, prompts, rate, tokenizer))
-    prompt_warnings = run.prompt_warnings(prompts)
+    prompt_warnings = run.prompt_warnings([p for prompts in prompt_sets for p in prompts])
     print_report(console, bench, results, ceiling, prompt_warnings)
 
     files = [run.result_json(bench, r) for r in results]

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from cpumoe.bench.serve.run import SHOWN_ERRORS, RateResult, ServeBench
 
-ITL_NOTES = ("ITL: every gap between consecutive streamed chunks that carry text (a chunk of several tokens: one gap)",
+ITL_NOTES = ("ITL: every gap between consecutive streamed token chunks (a chunk of several tokens: one gap)",
              "TPOT: (E2E - TTFT) / (output tokens - 1) per request; E2E: from the POST to the last token chunk")
 
 

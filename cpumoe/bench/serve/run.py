@@ -59,13 +59,20 @@ class RateResult:
         return collections.Counter(o.error for o in self.outputs if not o.success).most_common()
 
 
-def make_prompts(bench: ServeBench, tokenizer: Tokenizer | None) -> list[Prompt]:
+PROMPT_SEED_STRIDE = 1_000_003   # rate i of a sweep draws its random prompts with seed + i x this
+
+
+def make_prompts(bench: ServeBench, tokenizer: Tokenizer | None, round_: int = 0) -> list[Prompt]:
+    """The prompts of one request rate. Random prompts are drawn anew for each rate of a sweep (seed + round_): the
+    same prompts again would be served from a prefix cache filled by the rate before, and time the cache. A JSONL
+    dataset is what it is: every rate sends it."""
     if bench.dataset == "random":
         if tokenizer is None:
             raise ValueError("--dataset random needs a tokenizer to make and count its prompts: pass --tokenizer "
                              "(a Hugging Face tokenizer directory or tokenizer.json)")
         return random_prompts(tokenizer, num_prompts=bench.num_prompts, input_len=bench.input_len,
-                              output_len=bench.output_len, endpoint=bench.target.endpoint, seed=bench.seed)
+                              output_len=bench.output_len, endpoint=bench.target.endpoint,
+                              seed=bench.seed + PROMPT_SEED_STRIDE * round_)
     return jsonl_prompts(bench.dataset, tokenizer, num_prompts=bench.num_prompts, output_len=bench.output_len,
                          endpoint=bench.target.endpoint, seed=bench.seed)
 

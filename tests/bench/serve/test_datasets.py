@@ -109,3 +109,17 @@ def test_prompt_warnings_say_how_many_random_prompts_missed_their_length():
     assert prompt_warnings([exact, exact]) == []
     (warning,) = prompt_warnings([exact, off])
     assert warning.startswith("1 of 2 random prompts") and "6 tokens for 4" in warning
+
+
+def test_each_rate_of_a_sweep_gets_prompts_of_its_own(tokenizer_dir):
+    """A prefix cache filled by one rate must not answer the next: random prompts are drawn anew per rate."""
+    from cpumoe.bench.serve.client import Target
+    from cpumoe.bench.serve.run import ServeBench, make_prompts
+
+    tokenizer = Tokenizer(tokenizer_dir)
+    bench = ServeBench(target=Target("http://127.0.0.1:1", "m"), label="x", input_len=LengthRange(16, 16),
+                       num_prompts=6, request_rates=(1.0, float("inf")), seed=3)
+    first, second = make_prompts(bench, tokenizer, 0), make_prompts(bench, tokenizer, 1)
+    assert first == make_prompts(bench, tokenizer, 0)   # seeded
+    assert not {p.prompt for p in first} & {p.prompt for p in second}
+    assert [p.prompt_len for p in second] == [16] * 6
