@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cpumoe.bench.results import add_db_arguments
+from cpumoe.cli_args import names, positive_ints
 from cpumoe.engine.config import EngineConfig
 from cpumoe.server import limits
 
@@ -77,33 +78,23 @@ def _dtype(name: str) -> torch.dtype:
 def _weight_formats(text: str) -> list[str]:
     """A comma list of bf16/fp32/fp16 and quantized formats (aliases or full names), checked, in order."""
     from cpumoe.bench.layer import parse_weight_format
-    names = _names(text)
-    if not names:
+    formats = names(text)
+    if not formats:
         raise argparse.ArgumentTypeError(f"expected comma-separated dtypes, got {text!r}")
-    for name in names:
+    for name in formats:
         try:
             parse_weight_format(name)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-    return names
+    return formats
 
 
 def _quant_formats(text: str) -> list[str]:
     from cpumoe.quant import parse_format
     try:
-        return list(dict.fromkeys(parse_format(name).value for name in _names(text)))
+        return list(dict.fromkeys(parse_format(name).value for name in names(text)))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive_ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _speculative(text: str):
@@ -118,10 +109,6 @@ BATCH_INVARIANT_HELP = ("a request's tokens never depend on the other requests i
                         "is chunked: attention runs every token as a row of its own")
 SPECULATIVE_HELP = ('speculative decoding, as vLLM\'s flag takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                     '"prompt_lookup_max": 3}\' or \'{"method": "draft", "model": DIR, "num_speculative_tokens": 4}\'')
-
-
-def _names(text: str) -> list[str]:
-    return [v.strip() for v in text.split(",") if v.strip()]
 
 
 def _console() -> Console:
@@ -168,7 +155,7 @@ def _cmd_info(args) -> int:
     return _info_quantized(console, preset, args.quant, args.group_size)
 
 
-def _info_quantized(console: Console, preset, names: list[str] | None, group_size: int) -> int:
+def _info_quantized(console: Console, preset, format_names: list[str] | None, group_size: int) -> int:
     """For each quantized format (bf16 activations): the oracle's choice for the layer and every path's reason."""
     from cpumoe.bench.layer import check_format, experts_config, parse_weight_format
     from cpumoe.experts import NoSupportedPath, all_paths, choose_path, path_report
@@ -176,7 +163,7 @@ def _info_quantized(console: Console, preset, names: list[str] | None, group_siz
 
     if group_size < 1:
         sys.exit("cpumoe info: error: --group-size must be positive")
-    formats = [parse_weight_format(name, group_size) for name in (names or [f.value for f in QuantFormat])]
+    formats = [parse_weight_format(name, group_size) for name in (format_names or [f.value for f in QuantFormat])]
     table = Table(title=f"{preset.name}, quantized weights over bf16 activations: every path's verdict",
                   title_justify="left")
     table.add_column("path", no_wrap=True)
@@ -243,13 +230,13 @@ def _add_bench(commands) -> None:
     p.add_argument("--inter", type=int, help="override I")
     p.add_argument("--experts", type=int, help="override E")
     p.add_argument("--topk", type=int, help="override k")
-    p.add_argument("--tokens", type=_positive_ints, default=[1, 8, 32, 128, 512, 2048],
+    p.add_argument("--tokens", type=positive_ints, default=[1, 8, 32, 128, 512, 2048],
                    help="token counts M, comma-separated (default 1,8,32,128,512,2048)")
     p.add_argument("--dtype", type=_weight_formats, default=["bf16"],
                    help="weight formats, comma-separated: bf16 (default), fp32, fp16, and quantized int8, int4, "
                         "fp8, mxfp4 (or int8_w8a8, int4_w4a16, fp8_w8a16, mxfp4_w4a16; on bf16 activations)")
     p.add_argument("--group-size", type=int, default=128, help="int4 group / fp8 k block along K (default 128)")
-    p.add_argument("--paths", type=_names, help="only these experts paths, comma-separated (default: all available)")
+    p.add_argument("--paths", type=names, help="only these experts paths, comma-separated (default: all available)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write every result and the machine's limits here")
     p.add_argument("--quick", action="store_true", help="1-3 repetitions per case and a quicker machine measurement")
@@ -260,9 +247,9 @@ def _add_bench(commands) -> None:
     p.add_argument("model", nargs="+",
                    help="a local Hugging Face checkpoint directory (e.g. from cpumoe make-model); several (e.g. one "
                         "and its `cpumoe quantize` twins) are measured side by side against the first")
-    p.add_argument("--batch", type=_positive_ints, default=[1, 16], help="batch sizes (default 1,16)")
-    p.add_argument("--input-len", type=_positive_ints, default=[128, 512], help="prompt lengths (default 128,512)")
-    p.add_argument("--output-len", type=_positive_ints, default=[128], help="output lengths (default 128)")
+    p.add_argument("--batch", type=positive_ints, default=[1, 16], help="batch sizes (default 1,16)")
+    p.add_argument("--input-len", type=positive_ints, default=[128, 512], help="prompt lengths (default 128,512)")
+    p.add_argument("--output-len", type=positive_ints, default=[128], help="output lengths (default 128)")
     p.add_argument("--dtype", type=_dtype, default=None, help="bf16, fp32 or fp16 (default: the checkpoint's)")
     p.add_argument("--compare", choices=["naive"], help="also run the experts on this path, case by case")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -271,9 +258,9 @@ def _add_bench(commands) -> None:
     p.add_argument("--quick", action="store_true", help="one repetition, a smaller bandwidth probe and mm (smoke runs)")
     p.add_argument("--speculative-config", type=_speculative, action="append", metavar="JSON",
                    help="instead: speculative decoding against none, same run; repeatable. " + SPECULATIVE_HELP)
-    p.add_argument("--speculative-k", type=_positive_ints, metavar="K,K",
+    p.add_argument("--speculative-k", type=positive_ints, metavar="K,K",
                    help="with --speculative-config: each config at each of these num_speculative_tokens")
-    p.add_argument("--prompt", type=_names, default=["random"],
+    p.add_argument("--prompt", type=names, default=["random"],
                    help="with --speculative-config: prompt kinds, comma-separated: random (default), repeated (a "
                         "32-token phrase over and over)")
     p.add_argument("--batch-invariant", action="store_true",

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cpumoe.cli_args import positive_int
+
 PROG = "cpumoe prune"
 DEFAULT_CALIBRATION_TOKENS = 2048
 
@@ -22,16 +24,6 @@ def ratio(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("prune", help="write a pruned checkpoint: drop experts (inter) or shrink them (intra)")
     p.add_argument("model", metavar="MODEL", help="a local per-expert float checkpoint directory")
@@ -43,9 +35,9 @@ def add_parser(subparsers) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--calibration", metavar="FILE",
                         help="inter: routing counts from this text file (one prompt per non-empty line)")
-    source.add_argument("--calibration-random", type=_positive_int, metavar="N",
+    source.add_argument("--calibration-random", type=positive_int, metavar="N",
                         help=f"inter: routing counts from N random tokens (default {DEFAULT_CALIBRATION_TOKENS})")
-    p.add_argument("--max-len", type=_positive_int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--max-len", type=positive_int, default=512, help="tokens per calibration sequence (default 512)")
     p.set_defaults(func=_cmd_prune)
 
 

@@ -4,33 +4,13 @@
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 from cpumoe.bench.results import add_db_arguments
+from cpumoe.cli_args import positive_int, positive_ints
 
 PROG = "cpumoe bench experts"
 DEFAULT_RANDOM_TOKENS = 2048
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _positive_ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def add_parser(subparsers) -> None:
@@ -41,10 +21,10 @@ def add_parser(subparsers) -> None:
     source.add_argument("--prompts", metavar="FILE",
                         help="a text file, one prompt per non-empty line (lines longer than --max-len tokens are cut "
                              "into chunks); needs the checkpoint's tokenizer")
-    source.add_argument("--random-tokens", type=_positive_int, metavar="N",
+    source.add_argument("--random-tokens", type=positive_int, metavar="N",
                         help="N random token ids instead (default when no --prompts: 2048)")
-    p.add_argument("--max-len", type=_positive_int, default=512, help="tokens per routed sequence (default 512)")
-    p.add_argument("--batch-sizes", type=_positive_ints, default=[1, 2, 4, 8, 16, 32, 64], metavar="B,B",
+    p.add_argument("--max-len", type=positive_int, default=512, help="tokens per routed sequence (default 512)")
+    p.add_argument("--batch-sizes", type=positive_ints, default=[1, 2, 4, 8, 16, 32, 64], metavar="B,B",
                    help="batch sizes for the distinct-experts table (default 1,2,4,8,16,32,64)")
     p.add_argument("--out", default="experts-heatmap.png", metavar="PNG",
                    help="the layer x expert heatmap (default experts-heatmap.png)")

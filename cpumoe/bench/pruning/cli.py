@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from cpumoe.bench.results import add_db_arguments
+from cpumoe.cli_args import positive_int
 
 PROG = "cpumoe bench prune"
 
@@ -28,16 +29,6 @@ def _ratios(text: str) -> list[float]:
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("prune", help="the pruning sweep: speed and quality of pruned copies against the "
                                             "unpruned model")
@@ -46,17 +37,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ratios", type=_ratios, default=[0.125, 0.25, 0.5], help="default 0.125,0.25,0.5")
     p.add_argument("--text", metavar="FILE", help="evaluation text, one prompt per non-empty line (default: "
                                                   "random tokens, said so in the report)")
-    p.add_argument("--eval-tokens", type=_positive_int, default=256,
+    p.add_argument("--eval-tokens", type=positive_int, default=256,
                    help="random evaluation tokens without --text (default 256)")
     p.add_argument("--calibration", metavar="FILE", help="calibration text for inter-pruning's routing counts "
                                                          "(default: random tokens)")
-    p.add_argument("--calibration-random", type=_positive_int, default=2048, metavar="N",
+    p.add_argument("--calibration-random", type=positive_int, default=2048, metavar="N",
                    help="random calibration tokens without --calibration (default 2048)")
-    p.add_argument("--max-len", type=_positive_int, default=256, help="tokens per evaluated sequence (default 256)")
-    p.add_argument("--batch", type=_positive_int, default=1, help="batch of the speed case (default 1)")
-    p.add_argument("--input-len", type=_positive_int, default=128, help="prompt length of the speed case (default 128)")
-    p.add_argument("--output-len", type=_positive_int, default=32, help="output length of the speed case (default 32)")
-    p.add_argument("--repeats", type=_positive_int, default=3, help="measured runs of the speed case, median "
+    p.add_argument("--max-len", type=positive_int, default=256, help="tokens per evaluated sequence (default 256)")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch of the speed case (default 1)")
+    p.add_argument("--input-len", type=positive_int, default=128, help="prompt length of the speed case (default 128)")
+    p.add_argument("--output-len", type=positive_int, default=32, help="output length of the speed case (default 32)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="measured runs of the speed case, median "
                                                                     "(default 3)")
     p.add_argument("--quick", action="store_true", help="quicker machine limits (a 256 MiB bandwidth probe, a 1024^3 "
                                                         "mm)")

@@ -5,6 +5,8 @@ import argparse
 import math
 import sys
 
+from cpumoe.cli_args import positive_float, positive_int
+
 PROG = "cpumoe bench serve"
 SLO_NAMES = ("ttft", "tpot", "e2el")
 
@@ -43,26 +45,6 @@ def _slo(text: str) -> tuple[str, float]:
     return name, ms
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
 def add_parser(subparsers) -> None:
     from cpumoe.bench.results import add_db_arguments
 
@@ -87,13 +69,13 @@ def add_parser(subparsers) -> None:
                    help="random prompts' tokens: N, or LO:HI drawn uniformly per request (default 512)")
     p.add_argument("--output-len", metavar="N|LO:HI", type=_length, default=_length("128"),
                    help="tokens asked per request: N or LO:HI (default 128; a JSONL line's output_len wins)")
-    p.add_argument("--num-prompts", metavar="N", type=_positive_int, default=100,
+    p.add_argument("--num-prompts", metavar="N", type=positive_int, default=100,
                    help="requests per rate (default 100)")
     p.add_argument("--request-rate", metavar="R[,R...]", type=_rates, default=[math.inf],
                    help="requests/s, or inf for all at once (default); comma-separated for a sweep: 1,2,4,inf")
-    p.add_argument("--burstiness", metavar="K", type=_positive_float, default=1.0,
+    p.add_argument("--burstiness", metavar="K", type=positive_float, default=1.0,
                    help="gamma shape of the inter-arrival times (1: Poisson, default; <1 burstier; >1 steadier)")
-    p.add_argument("--max-concurrency", metavar="C", type=_positive_int,
+    p.add_argument("--max-concurrency", metavar="C", type=positive_int,
                    help="requests in flight at most (default: no limit)")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default 0)")
     p.add_argument("--no-ignore-eos", action="store_true",
@@ -103,7 +85,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--label", metavar="NAME",
                    help="the server's name in the results (default: host:port of --base-url)")
     p.add_argument("--json", metavar="FILE", help="write the run as vLLM's --save-result does (a list for a sweep)")
-    p.add_argument("--request-timeout", metavar="S", type=_positive_float, default=6 * 3600.0,
+    p.add_argument("--request-timeout", metavar="S", type=positive_float, default=6 * 3600.0,
                    help="seconds a request may take (default 21600)")
     p.add_argument("--no-ceiling", action="store_true", help="skip measuring the client's ceiling (~1 s)")
     add_db_arguments(p)

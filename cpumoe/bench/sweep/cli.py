@@ -14,6 +14,7 @@ import os
 import sys
 
 from cpumoe.bench.results import add_db_arguments
+from cpumoe.cli_args import names, positive_ints
 
 PROG = "cpumoe bench sweep"
 
@@ -52,8 +53,7 @@ def _float_dtype(text: str) -> str:
 
 
 def _shape(text: str) -> tuple[int, int, int, int]:
-    from cpumoe.cli import _positive_ints
-    values = _positive_ints(text)
+    values = positive_ints(text)
     if len(values) != 4 or values[3] > values[2]:
         raise argparse.ArgumentTypeError(f"expected H,I,E,K with K <= E, got {text!r}")
     return tuple(values)
@@ -76,7 +76,7 @@ def _skeleton(args):
 
 
 def add_parser(subparsers) -> None:
-    from cpumoe.cli import _names, _positive_ints, _weight_formats
+    from cpumoe.cli import _weight_formats
 
     sweep = subparsers.add_parser("sweep", help="the MoE-Inference-Bench sweeps (resumable, memory-checked, on Ray)")
     kinds = sweep.add_subparsers(dest="sweep", required=True, metavar="SWEEP")
@@ -104,22 +104,22 @@ def add_parser(subparsers) -> None:
                             "%(default)s)")
         p.add_argument("--skeleton-shape", type=_shape, metavar="H,I,E,K",
                        help="replace the skeleton's sizes (e.g. 64,32,4,2 for a tiny one)")
-        p.add_argument("--inter", type=_positive_ints, help="FFN dimensions I (paper: 1792,3584,7168,14336)")
-        p.add_argument("--num-experts", type=_positive_ints, help="experts E (paper: 8,16,32,64)")
-        p.add_argument("--top-k", type=_positive_ints, help="experts per token k (paper: 1,2,4,8)")
-        p.add_argument("--hidden", type=_positive_ints, help="hidden sizes H (paper grid: 1024,2048,4096,8192)")
+        p.add_argument("--inter", type=positive_ints, help="FFN dimensions I (paper: 1792,3584,7168,14336)")
+        p.add_argument("--num-experts", type=positive_ints, help="experts E (paper: 8,16,32,64)")
+        p.add_argument("--top-k", type=positive_ints, help="experts per token k (paper: 1,2,4,8)")
+        p.add_argument("--hidden", type=positive_ints, help="hidden sizes H (paper grid: 1024,2048,4096,8192)")
 
     def runtime_axes(p, batch: str, input_len: str, output_len: str) -> None:
-        p.add_argument("--batch", type=_positive_ints, help=f"batch sizes (default {batch}; paper: 1,16,32,64)")
-        p.add_argument("--input-len", type=_positive_ints,
+        p.add_argument("--batch", type=positive_ints, help=f"batch sizes (default {batch}; paper: 1,16,32,64)")
+        p.add_argument("--input-len", type=positive_ints,
                        help=f"prompt lengths (default {input_len}; paper: 128,256,512,1024,2048)")
-        p.add_argument("--output-len", type=_positive_ints,
+        p.add_argument("--output-len", type=positive_ints,
                        help=f"output lengths (default {output_len}; paper: 128,256,512,1024,2048)")
 
     p = kinds.add_parser("layer", help="the fused MoE layer over the architecture axes")
     common(p, impl_help="experts impls, comma-separated: fused (the oracle's path; default), naive")
     shape_axes(p)
-    p.add_argument("--tokens", type=_positive_ints, help="token counts M (paper: 1,16,32,64)")
+    p.add_argument("--tokens", type=positive_ints, help="token counts M (paper: 1,16,32,64)")
     p.add_argument("--dtype", type=_weight_formats, default=["bf16"],
                    help="weight formats as `bench layer` takes them: bf16 (default), fp32, fp16, int8, int4, fp8, "
                         "mxfp4")
@@ -142,7 +142,7 @@ def add_parser(subparsers) -> None:
     common(p, impl_help="experts impls, comma-separated: fused (default), naive")
     p.add_argument("model", nargs="+", help="checkpoint directories (e.g. one and its `cpumoe quantize` twins)")
     runtime_axes(p, "the grid's", "the grid's", "the grid's")
-    p.add_argument("--names", type=_names, help="short model names for the rows (default: the directory names)")
+    p.add_argument("--names", type=names, help="short model names for the rows (default: the directory names)")
     p.add_argument("--dtype", type=_float_dtype, help="bf16, fp32 or fp16 (default: each checkpoint's)")
     p.add_argument("--repeats", type=int, default=None, help="runs per case, median kept (default 1; 3 with --full)")
     p.set_defaults(func=_cmd_model)
