@@ -26,6 +26,7 @@ import torch
 
 from cpumoe.loader import Checkpoint
 from cpumoe.loader.checkpoint import CONFIG, INDEX, SINGLE
+from cpumoe.loader.shards import shard_names, split_into_shards
 from cpumoe.prune.arch import EXPERT_COUNT_FIELDS, PruneArch, prune_arch
 from cpumoe.prune.select import channel_scores, drop_count, kept_channels, least_used
 
@@ -221,7 +222,7 @@ def _intra_tensors(ckpt: Checkpoint, layout: _Layout, drop: int) -> Plan:
 
     shared = layout.arch.shared_from_inter
     prefixes = "|".join(re.escape(p) for p in layout.prefixes.values())
-    owners = rf"experts\.\d+|{re.escape(shared)}" if shared else rf"experts\.\d+"
+    owners = rf"experts\.\d+|{re.escape(shared)}" if shared else r"experts\.\d+"
     projection = re.compile(rf"((?:{prefixes})\.(?:{owners}))\.({gate}|{up}|{down})\.weight")
     for key in ckpt.keys():
         m = projection.fullmatch(key)
@@ -246,16 +247,8 @@ def _write(ckpt: Checkpoint, plan: Plan, out: Path, max_shard_bytes: int) -> int
     parameters written."""
     from safetensors.torch import save_file
 
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in plan:
-        nbytes = _planned_bytes(ckpt, name)
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    shards = split_into_shards(list(plan), lambda name: _planned_bytes(ckpt, name), max_shard_bytes)
+    files = shard_names(len(shards), single_file=False)
     weight_map, total, expert_params = {}, 0, 0
     for names, file in zip(shards, files):
         tensors = {}

@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from cpumoe.loader.shards import shard_names, split_into_shards
 from cpumoe.presets import get_preset
 from cpumoe.synthetic import tokenizer as tok
 
@@ -169,19 +170,6 @@ def _generate(plan: TensorPlan, *, seed: int, dtype: torch.dtype) -> torch.Tenso
     return torch.empty(plan.shape, dtype=dtype).normal_(0.0, INIT_STD, generator=generator)
 
 
-def _shards(plans: list[TensorPlan], dtype: torch.dtype, max_bytes: int) -> list[list[TensorPlan]]:
-    shards: list[list[TensorPlan]] = [[]]
-    size = 0
-    for plan in plans:
-        nbytes = _nbytes(plan, dtype)
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(plan)
-        size += nbytes
-    return shards
-
-
 def make_checkpoint(preset: str, out_dir, *, layers: int, vocab: int | None = None, seed: int = 0,
                     dtype: torch.dtype = torch.bfloat16, overrides: dict | None = None,
                     max_shard_bytes: int = MAX_SHARD_BYTES,
@@ -211,9 +199,8 @@ def make_checkpoint(preset: str, out_dir, *, layers: int, vocab: int | None = No
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
 
-    shards = _shards(plan_tensors(preset, config), dtype, max_shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    shards = split_into_shards(plan_tensors(preset, config), lambda p: _nbytes(p, dtype), max_shard_bytes)
+    names = shard_names(len(shards))
     weight_map, total_size, total_params = {}, 0, 0
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         for done, (plans, name) in enumerate(zip(shards, names), start=1):

@@ -23,13 +23,14 @@ from typing import Callable
 
 import torch
 
-from cpumoe.loader.checkpoint import CONFIG, INDEX, SINGLE, Checkpoint
+from cpumoe.loader.checkpoint import CONFIG, INDEX, Checkpoint
 from cpumoe.loader.quantized.awq import Awq
 from cpumoe.loader.quantized.common import FLOATS, Layout
 from cpumoe.loader.quantized.compressed_tensors import CompressedTensors
 from cpumoe.loader.quantized.fp8 import BlockFp8
 from cpumoe.loader.quantized.gpt_oss_mxfp4 import GptOssMxfp4
 from cpumoe.loader.quantized.gptq import Gptq
+from cpumoe.loader.shards import shard_names
 from cpumoe.quant.formats import FP8_BLOCK, MXFP4_GROUP, QuantFormat, parse_format
 from cpumoe.quant.schemes import quantize
 
@@ -202,8 +203,7 @@ def _quantize_args(writer: Layout) -> dict:
 
 def _name_shards(out: Path, shards: list[str], weight_map: dict[str, str], total: int, single: bool) -> list[str]:
     """Rename the temporary shards as the hub does, and write the index (unless one file, like the source)."""
-    names = [SINGLE] if single else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                                     for i in range(len(shards))]
+    names = shard_names(len(shards), single_file=single)
     final = dict(zip(shards, names))
     for tmp, name in final.items():
         (out / tmp).rename(out / name)

@@ -1,24 +1,16 @@
 """`cpumoe bench serve` against a real `cpumoe serve` of a tiny synthetic checkpoint: every request completes with
 exactly the output length asked (the server honours ignore_eos and reports usage), on both endpoints."""
 import json
-import socket
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 import torch
 
 from cpumoe.bench.results import ResultsDB
 from cpumoe.cli import main
 from cpumoe.synthetic.checkpoint import make_checkpoint, tiny_overrides
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.server.test_serve_cli import _free_port, _wait_up
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +21,8 @@ def server(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "cpumoe", "serve", str(checkpoint), "--port", str(port),
                              "--kv-cache-gb", "0.05", "--max-num-seqs", "4", "--served-model-name", "tiny",
                              "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
     try:
-        while True:
-            assert proc.poll() is None, f"cpumoe serve exited: {proc.stdout.read()}"
-            assert time.monotonic() < deadline, "cpumoe serve did not come up in 120 s"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        _wait_up(proc, port)
         yield f"http://127.0.0.1:{port}", checkpoint
     finally:
         proc.terminate()
