@@ -182,16 +182,6 @@ class ResultsDB:
         """Every row, oldest first, of one bench (or all) and one status (or all)."""
         return list(self._select(bench, status))
 
-    def latest(self, bench: str | None = None, *, status: str | None = None) -> list[Row]:
-        """The newest row of each (bench, case, machine): what a table shows when it shows one value per case."""
-        newest: dict[tuple[str, str, str], Row] = {}
-        for row in self._select(bench, status):
-            newest[(row.bench, case_key(row.case), row.machine)] = row
-        return sorted(newest.values(), key=lambda r: r.id)
-
-    def benches(self) -> list[str]:
-        return [b for (b,) in self._db.execute("SELECT DISTINCT bench FROM results ORDER BY bench")]
-
     def _select(self, bench: str | None, status: str | None) -> Iterator[Row]:
         where, params = [], []
         if bench is not None:
