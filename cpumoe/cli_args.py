@@ -10,6 +10,11 @@ def names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
+def unique_names(text: str) -> list[str]:
+    """A comma list, blanks and repeats dropped, in order."""
+    return list(dict.fromkeys(names(text)))
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

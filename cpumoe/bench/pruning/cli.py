@@ -8,17 +8,16 @@ import argparse
 import sys
 
 from cpumoe.bench.results import add_db_arguments
-from cpumoe.cli_args import positive_int
+from cpumoe.cli_args import positive_int, unique_names
 
 PROG = "cpumoe bench prune"
 
 
 def _methods(text: str) -> list[str]:
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [n for n in names if n not in ("inter", "intra")]
-    if not names or bad:
+    methods = unique_names(text)
+    if not methods or any(m not in ("inter", "intra") for m in methods):
         raise argparse.ArgumentTypeError(f"expected methods inter and/or intra, got {text!r}")
-    return list(dict.fromkeys(names))
+    return methods
 
 
 def _ratios(text: str) -> list[float]:

@@ -14,7 +14,7 @@ import os
 import sys
 
 from cpumoe.bench.results import add_db_arguments
-from cpumoe.cli_args import names, positive_ints
+from cpumoe.cli_args import names, positive_ints, unique_names
 
 PROG = "cpumoe bench sweep"
 
@@ -29,20 +29,20 @@ def _grid(name: str):
 
 def _impls(text: str) -> list[str]:
     from cpumoe.bench.sweep.plan import IMPLS
-    names = list(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
-    unknown = [n for n in names if n not in IMPLS]
-    if not names or unknown:
+    chosen = unique_names(text)
+    unknown = [n for n in chosen if n not in IMPLS]
+    if not chosen or unknown:
         raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(IMPLS)}, got {text!r}")
-    return names
+    return chosen
 
 
 def _float_dtypes(text: str) -> list[str]:
     from cpumoe.bench.layer import FLOAT_DTYPES
-    names = list(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
-    unknown = [n for n in names if n not in FLOAT_DTYPES]
-    if not names or unknown:
+    chosen = unique_names(text)
+    unknown = [n for n in chosen if n not in FLOAT_DTYPES]
+    if not chosen or unknown:
         raise argparse.ArgumentTypeError(f"unknown dtype {', '.join(unknown) or text!r}; choose from bf16, fp32, fp16")
-    return names
+    return chosen
 
 
 def _float_dtype(text: str) -> str:
