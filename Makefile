@@ -33,11 +33,11 @@ bench-quant: setup $(MODEL) $(QUANT_MODELS)
 	.venv/bin/cpumoe bench model $(MODEL) $(QUANT_MODELS) --batch 1 --input-len 512 --output-len 128 \
 		--json bench-quant.json
 
-# The fused MoE layer alone, every available path against the naive loop.
+# The fused MoE layer alone, every available backend against the naive loop.
 bench-layer: setup
 	.venv/bin/cpumoe bench layer --preset qwen3-30b-a3b --tokens 1,8,32,128,512,2048 --dtype bf16
 
-# The quantized formats beside bf16, on the paths the oracle would choose and the naive loop.
+# The quantized formats beside bf16, on the backends the oracle would choose and the naive loop.
 bench-layer-quant: setup
 	.venv/bin/cpumoe bench layer --preset qwen3-30b-a3b --tokens 1,8,2048 --dtype bf16,int8,int4,fp8,mxfp4
 

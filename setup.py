@@ -1,7 +1,7 @@
 """Builds cpumoe._C: the PyTorch-free kernel core plus the TORCH_LIBRARY registration.
 
 One binary serves every x86-64 CPU: the base flags target plain x86-64, and each ISA unit (a file under
-csrc/core/x86 or csrc/core/arm named kernels_<isa>.cpp) gets its own -m flags; the path that runs is
+csrc/core/x86 or csrc/core/arm named kernels_<isa>.cpp) gets its own -m flags; the backend that runs is
 chosen at run time from the CPU's features.
 """
 import glob

@@ -1,7 +1,7 @@
 """cpumoe: Mixture-of-Experts inference on CPUs.
 
     cpumoe.select_experts   routing (softmax/sigmoid top-k, grouped top-k, ...)
-    cpumoe.FusedMoE         the experts layer, run by the fastest kernel path this CPU supports
+    cpumoe.FusedMoE         the experts layer, run by the fastest kernel backend this CPU supports
     cpumoe.reference        plain PyTorch versions of the same maths
 """
 import os

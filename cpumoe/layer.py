@@ -1,6 +1,6 @@
 """cpumoe.FusedMoE: a Mixture-of-Experts experts layer as an nn.Module.
 
-    router_logits -> select_experts -> [chosen path: pack once at construction] -> fused experts -> [M, H]
+    router_logits -> select_experts -> [chosen backend: pack once at construction] -> fused experts -> [M, H]
 
 Weights are float tensors, float tensors quantized at construction (quant="int8_w8a8" | "int4_w4a16" |
 "fp8_w8a16" | "mxfp4_w4a16"), or already-quantized cpumoe.quant.QuantizedWeight stacks (FusedMoE.from_quantized).
@@ -10,21 +10,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cpumoe.experts import ExpertsConfig, choose_path
+from cpumoe.experts import ExpertsConfig, choose_backend
 from cpumoe.experts.base import ExpertReader, QuantExpertReader
 from cpumoe.quant import QuantFormat, QuantizedWeight, parse_format, quantize
 from cpumoe.routing import select_experts
 
 
 class FusedMoE(nn.Module):
-    """Experts of one MoE layer, run by the fastest path this machine supports (`self.backend` names it).
+    """Experts of one MoE layer, run by the fastest backend this machine supports: `self.impl` is that
+    ExpertsBackend, `self.backend` its name.
 
     w13 [E, 2I, H] holds each expert's gate rows then up rows; w2 [E, H, I]. With `expert_map`
     ([num_experts] int, global id -> local row of w13/w2, -1 = not on this shard), w13/w2 hold only the local
     experts and `num_experts` is the global count.
 
     With `expert_reader` (e -> (w13_e [2I, H], w2_e [H, I])), w13 and w2 may be meta tensors that only give
-    the shapes and dtype: the path then packs expert by expert as it reads them, so a checkpoint loader never
+    the shapes and dtype: the backend then packs expert by expert as it reads them, so a checkpoint loader never
     holds a whole layer of unpacked experts.
     """
 
@@ -78,20 +79,20 @@ class FusedMoE(nn.Module):
             expert_parallel=expert_map is not None, apply_router_weight_on_input=apply_router_weight_on_input,
             quantization=w13.format.value if quantized else "none",
             group_size=_op_group(w13, w2) if quantized else 0)
-        self.path = choose_path(self.config, backend)
+        self.impl = choose_backend(self.config, backend)
         if quantized and expert_reader is None:
-            self.prepared = self.path.prepare_quantized(self.config, w13, w2, w13_bias, w2_bias)
+            self.prepared = self.impl.prepare_quantized(self.config, w13, w2, w13_bias, w2_bias)
         elif quantized:
-            self.prepared = self.path.prepare_quantized_experts(self.config, local_experts,
+            self.prepared = self.impl.prepare_quantized_experts(self.config, local_experts,
                                                                 _checked_quantized(expert_reader, w13, w2),
                                                                 w13_bias, w2_bias)
         elif expert_reader is None:
             if w13.is_meta or w2.is_meta:
                 raise ValueError("w13 and w2 are meta tensors (shapes without data): pass real weights, or an "
                                  "expert_reader that reads each expert's")
-            self.prepared = self.path.prepare(w13, w2, w13_bias, w2_bias)
+            self.prepared = self.impl.prepare(w13, w2, w13_bias, w2_bias)
         else:
-            self.prepared = self.path.prepare_experts(local_experts, _checked(expert_reader, w13, w2), w13_bias,
+            self.prepared = self.impl.prepare_experts(local_experts, _checked(expert_reader, w13, w2), w13_bias,
                                                       w2_bias)
 
     @classmethod
@@ -115,7 +116,8 @@ class FusedMoE(nn.Module):
 
     @property
     def backend(self) -> str:
-        return self.path.name
+        """The name of the backend that runs the experts (`self.impl.name`)."""
+        return self.impl.name
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.config.hidden_size:
@@ -130,7 +132,7 @@ class FusedMoE(nn.Module):
 
     def experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The layer after routing: for callers that route themselves."""
-        return self.path.apply(self.prepared, self.config, hidden_states, topk_weights, topk_ids, self.expert_map)
+        return self.impl.apply(self.prepared, self.config, hidden_states, topk_weights, topk_ids, self.expert_map)
 
     def extra_repr(self) -> str:
         c = self.config

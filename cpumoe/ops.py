@@ -10,19 +10,19 @@ _BLOCK_COLS = 64
 _W13_BLOCK_INTER = 32
 
 
-def packed_shapes(hidden_size: int, inter_size: int, path: str) -> tuple[tuple[int, int], tuple[int, int]]:
+def packed_shapes(hidden_size: int, inter_size: int, backend: str) -> tuple[tuple[int, int], tuple[int, int]]:
     """((w13 blocks, elements per block), (w2 blocks, elements per block)) of one expert."""
-    return _C.packed_shapes(hidden_size, inter_size, path)
+    return _C.packed_shapes(hidden_size, inter_size, backend)
 
 
-def pack_w13(w13: torch.Tensor, path: str) -> torch.Tensor:
+def pack_w13(w13: torch.Tensor, backend: str) -> torch.Tensor:
     """[E, 2I, H] (gate rows, then up rows) -> the kernel's blocked layout [E, Ip/32, 64*Kp]."""
-    return torch.ops.cpumoe.pack_w13(w13, path)
+    return torch.ops.cpumoe.pack_w13(w13, backend)
 
 
-def pack_w2(w2: torch.Tensor, path: str) -> torch.Tensor:
+def pack_w2(w2: torch.Tensor, backend: str) -> torch.Tensor:
     """[E, H, I] -> the kernel's blocked layout [E, Hp/64, 64*Ip]."""
-    return torch.ops.cpumoe.pack_w2(w2, path)
+    return torch.ops.cpumoe.pack_w2(w2, backend)
 
 
 def pack_w13_bias(bias: torch.Tensor, padded_inter: int) -> torch.Tensor:
@@ -43,24 +43,24 @@ def pack_w2_bias(bias: torch.Tensor, padded_hidden: int) -> torch.Tensor:
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, *, path: str, activation: str = "silu",
+                  topk_ids: torch.Tensor, *, backend: str, activation: str = "silu",
                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                   expert_map: torch.Tensor | None = None, apply_router_weight_on_input: bool = False) -> torch.Tensor:
     """The fused experts op over prepacked weights (see cpumoe.experts for who packs them)."""
     return torch.ops.cpumoe.fused_experts(
-        hidden_states, w13, w2, topk_weights, topk_ids, path=path, activation=activation, w13_bias=w13_bias,
+        hidden_states, w13, w2, topk_weights, topk_ids, backend=backend, activation=activation, w13_bias=w13_bias,
         w2_bias=w2_bias, expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input)
 
 
-def pack_linear(weight: torch.Tensor, path: str) -> torch.Tensor:
+def pack_linear(weight: torch.Tensor, backend: str) -> torch.Tensor:
     """nn.Linear weight [N, K] -> the layout cpumoe.ops.linear reads (one expert's w2 of H = N, I = K)."""
-    return torch.ops.cpumoe.pack_w2(weight.unsqueeze(0).contiguous(), path)
+    return torch.ops.cpumoe.pack_w2(weight.unsqueeze(0).contiguous(), backend)
 
 
-def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, *, path: str,
+def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, *, backend: str,
            out_features: int) -> torch.Tensor:
-    """x [..., K] -> [..., out_features], the dtype of x, on the experts' w2 tiles of `path`."""
-    return torch.ops.cpumoe.linear(x, packed_weight, bias, path=path, out_features=out_features)
+    """x [..., K] -> [..., out_features], the dtype of x, on the experts' w2 tiles of `backend`."""
+    return torch.ops.cpumoe.linear(x, packed_weight, bias, backend=backend, out_features=out_features)
 
 
 def quant_packed_shape(format: str, rows: int, cols: int, group_size: int, w13: bool) -> tuple[int, int]:
@@ -71,27 +71,27 @@ def quant_packed_shape(format: str, rows: int, cols: int, group_size: int, w13: 
 def pack_quant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *, format: str,
                group_size: int, w13: bool) -> torch.Tensor:
     """Canonical quantized weights (cpumoe.quant.QuantizedWeight tensors) [E, N, K] -> uint8 blocks
-    [E, blocks, bytes] in csrc/core/quant.h's layout of `format` (one layout for every path)."""
+    [E, blocks, bytes] in csrc/core/quant.h's layout of `format` (one layout for every backend)."""
     return torch.ops.cpumoe.pack_quant(qweight, scales, zeros, format=format, group_size=group_size, w13=w13)
 
 
 def fused_experts_quant(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, *, path: str, format: str, group_size: int, activation: str = "silu",
-                        w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                        expert_map: torch.Tensor | None = None,
+                        topk_ids: torch.Tensor, *, backend: str, format: str, group_size: int,
+                        activation: str = "silu", w13_bias: torch.Tensor | None = None,
+                        w2_bias: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
                         apply_router_weight_on_input: bool = False) -> torch.Tensor:
     """The fused experts op over quantized weights packed by pack_quant."""
     return torch.ops.cpumoe.fused_experts_quant(
-        hidden_states, w13, w2, topk_weights, topk_ids, path=path, format=format, group_size=group_size,
+        hidden_states, w13, w2, topk_weights, topk_ids, backend=backend, format=format, group_size=group_size,
         activation=activation, w13_bias=w13_bias, w2_bias=w2_bias, expert_map=expert_map,
         apply_router_weight_on_input=apply_router_weight_on_input)
 
 
-def linear_quant(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, *, path: str, format: str,
-                 group_size: int, out_features: int) -> torch.Tensor:
+def linear_quant(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, *, backend: str,
+                 format: str, group_size: int, out_features: int) -> torch.Tensor:
     """x [..., K] -> [..., out_features] over a quantized weight packed by pack_quant(w13=False)."""
-    return torch.ops.cpumoe.linear_quant(x, packed_weight, bias, path=path, format=format, group_size=group_size,
-                                         out_features=out_features)
+    return torch.ops.cpumoe.linear_quant(x, packed_weight, bias, backend=backend, format=format,
+                                         group_size=group_size, out_features=out_features)
 
 
 def route(router_logits: torch.Tensor, top_k: int, *, scoring: str, renormalize: bool,
@@ -103,14 +103,14 @@ def route(router_logits: torch.Tensor, top_k: int, *, scoring: str, renormalize:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      key_begin: torch.Tensor, key_end: torch.Tensor, scale: float,
-                     sinks: torch.Tensor | None = None, path: str = "") -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, backend: str = "") -> torch.Tensor:
     """q [S, nh, d] (one token per sequence) over caches [blocks, block_size, nkv, d | dv]: each sequence's keys
     [key_begin, key_end) of its block_table [S, n] (positions over the table), -> [S, nh, dv] in q's dtype.
     A cache may be a view of each slot's leading channels (MLA: v_cache = k_cache[..., :c]). Each row's result
     depends only on its query, its keys and [key_begin, key_end): never on the other rows (batch-invariant).
-    path: one of attention_paths() (default: the first, the fastest here)."""
+    backend: one of attention_backends() (default: the first, the fastest here)."""
     return torch.ops.cpumoe.decode_attention(q, k_cache, v_cache, block_table, key_begin, key_end, scale, sinks,
-                                             path)
+                                             backend)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_in_float: bool = False) -> torch.Tensor:
@@ -127,9 +127,9 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     torch.ops.cpumoe.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
 
-def attention_paths() -> list[str]:
-    """The kernel paths with a decode attention kernel that can run here, fastest first."""
-    return list(_C.attention_paths())
+def attention_backends() -> list[str]:
+    """The kernel backends with a decode attention kernel that can run here, fastest first."""
+    return list(_C.attention_backends())
 
 
 def release_free_memory() -> bool:
@@ -161,25 +161,25 @@ def _no_meta_weights(data: torch.Tensor, **weights: torch.Tensor | None) -> None
 
 
 @torch.library.register_fake("cpumoe::pack_w13")
-def _pack_w13_fake(w13, path):
-    (blocks, elems), _ = packed_shapes(w13.shape[2], w13.shape[1] // 2, path)
+def _pack_w13_fake(w13, backend):
+    (blocks, elems), _ = packed_shapes(w13.shape[2], w13.shape[1] // 2, backend)
     return w13.new_empty((w13.shape[0], blocks, elems))
 
 
 @torch.library.register_fake("cpumoe::pack_w2")
-def _pack_w2_fake(w2, path):
-    _, (blocks, elems) = packed_shapes(w2.shape[1], w2.shape[2], path)
+def _pack_w2_fake(w2, backend):
+    _, (blocks, elems) = packed_shapes(w2.shape[1], w2.shape[2], backend)
     return w2.new_empty((w2.shape[0], blocks, elems))
 
 
 @torch.library.register_fake("cpumoe::linear")
-def _linear_fake(x, w, bias, *, path, out_features):
+def _linear_fake(x, w, bias, *, backend, out_features):
     _no_meta_weights(x, w=w, bias=bias)
     return x.new_empty((*x.shape[:-1], out_features))
 
 
 @torch.library.register_fake("cpumoe::fused_experts")
-def _fused_experts_fake(hidden_states, w13, w2, topk_weights, topk_ids, *, path, activation, w13_bias=None,
+def _fused_experts_fake(hidden_states, w13, w2, topk_weights, topk_ids, *, backend, activation, w13_bias=None,
                         w2_bias=None, expert_map=None, apply_router_weight_on_input=False):
     _no_meta_weights(hidden_states, w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
     return torch.empty_like(hidden_states)
@@ -192,14 +192,15 @@ def _pack_quant_fake(qweight, scales, zeros, *, format, group_size, w13):
 
 
 @torch.library.register_fake("cpumoe::fused_experts_quant")
-def _fused_experts_quant_fake(hidden_states, w13, w2, topk_weights, topk_ids, *, path, format, group_size, activation,
-                              w13_bias=None, w2_bias=None, expert_map=None, apply_router_weight_on_input=False):
+def _fused_experts_quant_fake(hidden_states, w13, w2, topk_weights, topk_ids, *, backend, format, group_size,
+                              activation, w13_bias=None, w2_bias=None, expert_map=None,
+                              apply_router_weight_on_input=False):
     _no_meta_weights(hidden_states, w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
     return torch.empty_like(hidden_states)
 
 
 @torch.library.register_fake("cpumoe::linear_quant")
-def _linear_quant_fake(x, w, bias, *, path, format, group_size, out_features):
+def _linear_quant_fake(x, w, bias, *, backend, format, group_size, out_features):
     _no_meta_weights(x, w=w, bias=bias)
     return x.new_empty((*x.shape[:-1], out_features))
 
@@ -212,7 +213,7 @@ def _route_fake(router_logits, top_k, scoring, renormalize, bias, routed_scaling
 
 
 @torch.library.register_fake("cpumoe::decode_attention")
-def _decode_attention_fake(q, k_cache, v_cache, block_table, key_begin, key_end, scale, sinks, path=""):
+def _decode_attention_fake(q, k_cache, v_cache, block_table, key_begin, key_end, scale, sinks, backend=""):
     _no_meta_weights(q, k_cache=k_cache, v_cache=v_cache, sinks=sinks)
     return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[3]))
 

@@ -1,4 +1,4 @@
-"""Plain PyTorch references: the maths every kernel path must reproduce.
+"""Plain PyTorch references: the maths every kernel backend must reproduce.
 
 The MoE layer here is the "before" picture: route, loop over experts, w13 GEMM, activation, w2 GEMM,
 weighted combine. It computes in float32 but copies the kernels' rounding: the activation output is

@@ -1,19 +1,19 @@
-"""The MoE layer benchmark: one layer shape, a list of weight formats, every experts path this CPU can run for
+"""The MoE layer benchmark: one layer shape, a list of weight formats, every experts backend this CPU can run for
 each, a list of token counts.
 
     random weights (seeded, once per float dtype) -> per format: quantize once (cpumoe.quant)
-        -> per (format, path): FusedMoE(backend=path) -> per M: time layer(hidden, router_logits)
-        -> GFLOP/s, GB/s of the distinct experts' weights as the path stores them, vs the machine's limits,
-           the naive loop of the same format, and the bf16 fused path
+        -> per (format, backend): FusedMoE(backend=backend) -> per M: time layer(hidden, router_logits)
+        -> GFLOP/s, GB/s of the distinct experts' weights as the backend stores them, vs the machine's limits,
+           the naive loop of the same format, and the bf16 fused backend
 
 A format is a float dtype (bf16, fp32, fp16: weights and activations) or a cpumoe.quant format (int8_w8a8,
 int4_w4a16, fp8_w8a16, mxfp4_w4a16) over bf16 activations. The timed call includes routing (select_experts), as
 a model's forward does. Shared experts are not part of the layer (FusedMoE runs the routed experts only).
 
-Bytes: each row counts the bytes its path's prepared weights hold per expert (packed blocks with their
-scales/zeros for quantized formats on the kernel paths; the dequantized weights on the naive loop) times the
-distinct experts the routing chose. "vs bf16" is the speed-up over the bf16 fused path (the fastest measured
-bf16 path other than naive) in the same repetitions, printed beside the issue's target; for decode it also
+Bytes: each row counts the bytes its backend's prepared weights hold per expert (packed blocks with their
+scales/zeros for quantized formats on the kernel backends; the dequantized weights on the naive loop) times the
+distinct experts the routing chose. "vs bf16" is the speed-up over the bf16 fused backend (the fastest measured
+bf16 backend other than naive) in the same repetitions, printed beside the issue's target; for decode it also
 prints the bound from bytes (bf16 bytes / the row's bytes), which a weight stream cannot beat.
 
 Side by side: this machine is shared and its memory bandwidth drifts by tens of percent over minutes, so the
@@ -43,7 +43,7 @@ from rich.table import Table
 
 from cpumoe import ops
 from cpumoe.bench.machine import MachineInfo, OtherCpuUse, measure_machine
-from cpumoe.experts import ExpertsConfig, all_paths, choose_path
+from cpumoe.experts import ExpertsConfig, all_backends, choose_backend
 from cpumoe.layer import FusedMoE
 from cpumoe.presets import LayerPreset
 from cpumoe.quant import MXFP4_GROUP, QuantFormat, QuantizedWeight, parse_format, quantize
@@ -55,7 +55,7 @@ MAX_REPS = 30
 INPUT_POOL = 4        # inputs with different routing, rotated over the repetitions
 MM_FROM_TOKENS = 256  # from this M on, a torch.mm joins each repetition as the side-by-side GEMM peak
 MEMORY_SHARE = 0.6    # build every case's layer at once only if their weights fit in this share of free memory
-SLOW_CALL_S = 2.0     # a call this slow (a slow path at large M) gets only SLOW_REPS repetitions
+SLOW_CALL_S = 2.0     # a call this slow (a slow backend at large M) gets only SLOW_REPS repetitions
 SLOW_REPS = 2
 QUICK_TARGET_S = 0.05  # --quick: one warm-up, then up to QUICK_MAX_REPS calls within about this long
 QUICK_MAX_REPS = 3
@@ -65,9 +65,9 @@ QUANTIZE_CHUNK = 8    # experts quantized at a time (PyTorch's quantizers make f
 FLOAT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
                 "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
 QUANT_ACTIVATIONS = torch.bfloat16   # quantized formats run on bf16 activations here
-REFERENCE_DTYPE = torch.bfloat16     # "vs bf16": the fastest measured bf16 path other than naive
+REFERENCE_DTYPE = torch.bfloat16     # "vs bf16": the fastest measured bf16 backend other than naive
 
-# The speed-ups over the bf16 fused path the quantized paths aim at (the issue's targets), by regime:
+# The speed-ups over the bf16 fused backend the quantized backends aim at (the issue's targets), by regime:
 # decode is M <= DECODE_MAX_TOKENS, prefill M >= PREFILL_MIN_TOKENS; none are stated in between.
 DECODE_MAX_TOKENS = 8
 PREFILL_MIN_TOKENS = 2048
@@ -129,13 +129,13 @@ def check_format(preset: LayerPreset, fmt: WeightFormat) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Case:
-    """One measured row family: a weight format on one experts path."""
+    """One measured row family: a weight format on one experts backend."""
     format: WeightFormat
-    path: str
+    backend: str
 
     @property
     def label(self) -> str:
-        return f"{self.format.name} {self.path}"
+        return f"{self.format.name} {self.backend}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,12 +167,12 @@ class LayerCase:
 @dataclass(slots=True)
 class LayerResult:
     format: str                  # WeightFormat.name: "bfloat16", "int8_w8a8", ...
-    path: str
+    backend: str
     tokens: int
     ms: float                    # median per call
     repetitions: int
     distinct_experts: int
-    expert_bytes: int            # bytes of one expert's weights as this path holds them (packed, scales included)
+    expert_bytes: int            # bytes of one expert's weights as this backend holds them (packed, scales included)
     gflops: float
     gbs: float                   # distinct_experts * expert_bytes / time
     bandwidth_gbs: float         # the bandwidth probe's median over this case's repetitions
@@ -180,7 +180,7 @@ class LayerResult:
     mm_gflops: float             # torch.mm's median over the repetitions (M >= MM_FROM_TOKENS), else the run's
     peak_pct: float              # gflops / mm_gflops
     speedup_vs_naive: float | None = None     # the naive loop of the same format / this
-    speedup_vs_bf16: float | None = None      # the bf16 fused path in the same repetitions / this
+    speedup_vs_bf16: float | None = None      # the bf16 fused backend in the same repetitions / this
     target_vs_bf16: float | None = None       # the issue's target for speedup_vs_bf16 (quantized formats)
     bytes_bound_vs_bf16: float | None = None  # decode: bf16 bytes / this row's bytes, the most a stream allows
     ms_min: float | None = None               # the fastest and slowest of the timed calls
@@ -204,48 +204,48 @@ def experts_config(preset: LayerPreset, fmt: WeightFormat | torch.dtype) -> Expe
                          group_size=fmt.group_size)
 
 
-def select_paths(config: ExpertsConfig, names: Sequence[str] | None = None) -> list[str]:
-    """Every path that supports `config`, fastest first; or the named ones (ValueError if unknown/unsupported)."""
-    report = {p.name: p.is_supported(config) for p in all_paths()}
+def select_backends(config: ExpertsConfig, names: Sequence[str] | None = None) -> list[str]:
+    """Every backend that supports `config`, fastest first; or the named ones (ValueError if unknown/unsupported)."""
+    report = {p.name: p.is_supported(config) for p in all_backends()}
     if names is None:
         return [name for name, (ok, _) in report.items() if ok]
     for name in names:
         if name not in report:
-            raise ValueError(f"unknown path {name!r}; known: {', '.join(report)}")
+            raise ValueError(f"unknown backend {name!r}; known: {', '.join(report)}")
         ok, why = report[name]
         if not ok:
-            raise ValueError(f"path {name!r} cannot run this layer: {why}")
+            raise ValueError(f"backend {name!r} cannot run this layer: {why}")
     return [name for name in report if name in names]
 
 
 def select_cases(preset: LayerPreset, formats: Sequence[WeightFormat], names: Sequence[str] | None = None
                  ) -> tuple[list[Case], list[dict]]:
-    """(cases, unrun): every (format, path) that can run, formats in the given order and paths fastest first
-    (of `names` if given); and for each format no path (of those) can run, {"format", "reasons": {path: why}}.
-    ValueError for an unknown path name, a shape the format cannot take, or when nothing at all can run."""
-    known = [p.name for p in all_paths()]
+    """(cases, unrun): every (format, backend) that can run, formats in the given order and backends fastest first
+    (of `names` if given); and for each format no backend (of those) can run, {"format", "reasons": {backend: why}}.
+    ValueError for an unknown backend name, a shape the format cannot take, or when nothing at all can run."""
+    known = [p.name for p in all_backends()]
     for name in names or ():
         if name not in known:
-            raise ValueError(f"unknown path {name!r}; known: {', '.join(known)}")
+            raise ValueError(f"unknown backend {name!r}; known: {', '.join(known)}")
     cases, unrun = [], []
     for fmt in formats:
         check_format(preset, fmt)
         config = experts_config(preset, fmt)
-        report = {p.name: p.is_supported(config) for p in all_paths() if names is None or p.name in names}
+        report = {p.name: p.is_supported(config) for p in all_backends() if names is None or p.name in names}
         runnable = [name for name, (ok, _) in report.items() if ok]
         cases += [Case(fmt, name) for name in runnable]
         if not runnable:
             unrun.append(dict(format=fmt.name, reasons={name: why for name, (_, why) in report.items()}))
     if not cases:
-        raise ValueError("no path can run any of these formats:\n" + "\n".join(
+        raise ValueError("no backend can run any of these formats:\n" + "\n".join(
             f"  {u['format']}: " + "; ".join(f"{n}: {why}" for n, why in u["reasons"].items()) for u in unrun))
     return cases, unrun
 
 
 def reference_case(cases: Sequence[Case]) -> Case | None:
-    """The bf16 fused path the other rows are compared with: the first (fastest) bf16 case that is not naive."""
+    """The bf16 fused backend the other rows are compared with: the first (fastest) bf16 case that is not naive."""
     return next((c for c in cases if c.format.quant is None and c.format.dtype == REFERENCE_DTYPE
-                 and c.path != "naive"), None)
+                 and c.backend != "naive"), None)
 
 
 def make_weights(preset: LayerPreset, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor | None]:
@@ -284,16 +284,16 @@ def make_inputs(preset: LayerPreset, tokens: int, dtype: torch.dtype, seed: int 
     return LayerInputs(case, hidden_states, router_logits)
 
 
-def build_layer(preset: LayerPreset, weights: dict, path: str, dtype: torch.dtype | None = None) -> FusedMoE:
-    """FusedMoE on `path` over float weights, or over QuantizedWeight stacks with `dtype` activations."""
+def build_layer(preset: LayerPreset, weights: dict, backend: str, dtype: torch.dtype | None = None) -> FusedMoE:
+    """FusedMoE on `backend` over float weights, or over QuantizedWeight stacks with `dtype` activations."""
     return FusedMoE(weights["w13"], weights["w2"], w13_bias=weights["w13_bias"], w2_bias=weights["w2_bias"],
                     top_k=preset.top_k, activation=preset.activation, scoring=preset.router_scoring,
                     renormalize=preset.renormalize, apply_router_weight_on_input=preset.router_weight_on_input,
-                    backend=path, dtype=dtype)
+                    backend=backend, dtype=dtype)
 
 
 def layer_expert_bytes(layer: FusedMoE) -> int:
-    """Bytes of one expert's w13 + w2 as the layer's path holds them (packed blocks with scales and zeros, or
+    """Bytes of one expert's w13 + w2 as the layer's backend holds them (packed blocks with scales and zeros, or
     the naive loop's dense weights); biases not counted."""
     p = layer.prepared
     return (p.w13.numel() * p.w13.element_size() + p.w2.numel() * p.w2.element_size()) // p.w13.shape[0]
@@ -346,7 +346,7 @@ def measure_tokens(layers: dict[Case, FusedMoE], pools: dict[torch.dtype, list[L
         gflops = pool[0].case.flops() / seconds / 1e9
         gbs = distinct * expert_bytes / seconds / 1e9
         results[case] = LayerResult(
-            format=case.format.name, path=case.path, tokens=tokens, ms=seconds * 1e3, repetitions=len(ts),
+            format=case.format.name, backend=case.backend, tokens=tokens, ms=seconds * 1e3, repetitions=len(ts),
             distinct_experts=round(distinct), expert_bytes=expert_bytes, gflops=gflops, gbs=gbs,
             bandwidth_gbs=gbps, bandwidth_pct=100 * gbs / gbps, mm_gflops=mm_gflops,
             peak_pct=100 * gflops / mm_gflops, ms_min=min(ts) * 1e3, ms_max=max(ts) * 1e3)
@@ -372,7 +372,7 @@ def compare_with_reference(results: dict[Case, LayerResult], reference: Case | N
 
 
 def target_for(format_name: str, tokens: int) -> float | None:
-    """The issue's speed-up target over the bf16 fused path for a quantized format at M tokens (None: none)."""
+    """The issue's speed-up target over the bf16 fused backend for a quantized format at M tokens (None: none)."""
     regime = "decode" if tokens <= DECODE_MAX_TOKENS else "prefill" if tokens >= PREFILL_MIN_TOKENS else None
     if regime is None or format_name not in {f.value for f in QuantFormat}:
         return None
@@ -381,7 +381,7 @@ def target_for(format_name: str, tokens: int) -> float | None:
 
 def add_speedups(results: list[LayerResult]) -> None:
     """speedup_vs_naive (over the naive loop of the same format at the same M) and each row's target."""
-    naive_ms = {(r.format, r.tokens): r.ms for r in results if r.path == "naive"}
+    naive_ms = {(r.format, r.tokens): r.ms for r in results if r.backend == "naive"}
     for r in results:
         if (r.format, r.tokens) in naive_ms:
             r.speedup_vs_naive = naive_ms[r.format, r.tokens] / r.ms
@@ -426,7 +426,7 @@ def quantized_nbytes(preset: LayerPreset, fmt: WeightFormat) -> int:
 def case_nbytes(preset: LayerPreset, case: Case) -> int:
     """The memory a case's layer adds: its packed copy. The naive loop runs on the float weights themselves, or on
     a quantized format's weights dequantized to the activations' dtype."""
-    if case.path == "naive":
+    if case.backend == "naive":
         return 0 if case.format.quant is None else weights_nbytes(preset, case.format.dtype)
     if case.format.quant is None:
         return weights_nbytes(preset, case.format.dtype)
@@ -468,7 +468,7 @@ def run_cases(preset: LayerPreset, cases: Sequence[Case], tokens: Sequence[int],
         layers = {}
         for case in group:
             on_case(f"{case.label}: packing")
-            layers[case] = build_layer(preset, weights_for(case.format), case.path,
+            layers[case] = build_layer(preset, weights_for(case.format), case.backend,
                                        None if case.format.quant is None else case.format.dtype)
         for fmt in [f for f in quantized if last_use[f] <= index]:
             del quantized[fmt]   # every layer of this format is built
@@ -499,30 +499,30 @@ def bench_report(preset: LayerPreset, formats: Sequence[WeightFormat], cases: Se
     layer = asdict(preset)
     layer.update(weights_bytes=weights_nbytes(preset, REFERENCE_DTYPE), formats=[
         dict(format=f.name, activations=str(f.dtype).removeprefix("torch."), group_size=f.group_size,
-             oracle_choice=_oracle_choice(preset, f), paths=[c.path for c in cases if c.format == f])
+             oracle_choice=_oracle_choice(preset, f), backends=[c.backend for c in cases if c.format == f])
         for f in formats])
-    layer["reference"] = None if reference is None else dict(format=reference.format.name, path=reference.path)
+    layer["reference"] = None if reference is None else dict(format=reference.format.name, backend=reference.backend)
     layer["unrun"] = unrun
     return dict(machine=machine.to_dict(), layer=layer, results=[asdict(r) for r in results])
 
 
 def _oracle_choice(preset: LayerPreset, fmt: WeightFormat) -> str | None:
     try:
-        return choose_path(experts_config(preset, fmt)).name
-    except ValueError:   # NoSupportedPath
+        return choose_backend(experts_config(preset, fmt)).name
+    except ValueError:   # NoSupportedBackend
         return None
 
 
 def run_layer_bench(preset: LayerPreset, formats: Sequence[WeightFormat] | torch.dtype, tokens: Sequence[int], *,
-                    paths: Sequence[str] | None = None, quick: bool = False, machine: MachineInfo | None = None,
+                    backends: Sequence[str] | None = None, quick: bool = False, machine: MachineInfo | None = None,
                     progress: Console | None = None, seed: int = 0) -> dict:
-    """Measures the machine (unless given), runs every (format, path, M) case and returns bench_report's dict.
-    `paths`: only these paths (a format none of them can run is listed under layer.unrun). `progress`: the
+    """Measures the machine (unless given), runs every (format, backend, M) case and returns bench_report's dict.
+    `backends`: only these backends (a format none of them can run is listed under layer.unrun). `progress`: the
     console to draw a progress bar on (None: no bar)."""
     if isinstance(formats, torch.dtype):
         formats = [WeightFormat(formats)]
     formats = list(dict.fromkeys(formats))
-    cases, unrun = select_cases(preset, formats, paths)
+    cases, unrun = select_cases(preset, formats, backends)
     reference = reference_case(cases)
     floats = [f.dtype for f in formats if f.quant is None]
     mm_dtype = REFERENCE_DTYPE if REFERENCE_DTYPE in floats or len(floats) < len(formats) else floats[0]
@@ -534,8 +534,8 @@ def run_layer_bench(preset: LayerPreset, formats: Sequence[WeightFormat] | torch
                                 on_case=lambda what: bar.update(task, description=what)):
             results.append(result)
             bar.advance(task)
-    order = [(c.format.name, c.path) for c in cases]
-    results.sort(key=lambda r: (r.tokens, order.index((r.format, r.path))))
+    order = [(c.format.name, c.backend) for c in cases]
+    results.sort(key=lambda r: (r.tokens, order.index((r.format, r.backend))))
     add_speedups(results)
     report = bench_report(preset, formats, cases, reference, unrun, machine, results)
     report["other_cpu_fraction"] = other.fraction
@@ -548,7 +548,7 @@ def _progress_bar(console: Console | None) -> Progress:
 
 
 def render_layer_report(report: dict, console: Console) -> None:
-    """The run's header (layer, formats, machine), one table of every case grouped by M, and any format no path
+    """The run's header (layer, formats, machine), one table of every case grouped by M, and any format no backend
     could run."""
     layer, machine = report["layer"], report["machine"]
     console.print(_layer_line(layer))
@@ -567,10 +567,10 @@ def render_layer_report(report: dict, console: Console) -> None:
     console.print(layer_table(report))
     ref = layer["reference"]
     if ref is None and any(f["format"] != "bfloat16" for f in layer["formats"]):
-        console.print("[yellow]no bf16 fused path measured: add bf16 to --dtype (and its path to --paths) for the "
-                      "vs bf16 column[/]")
+        console.print("[yellow]no bf16 fused backend measured: add bf16 to --dtype (and its backend to --backends) "
+                      "for the vs bf16 column[/]")
     for u in layer["unrun"]:
-        console.print(f"[yellow]{u['format']}: no path could run it[/] (" +
+        console.print(f"[yellow]{u['format']}: no backend could run it[/] (" +
                       "; ".join(f"{name}: {why}" for name, why in u["reasons"].items()) + ")")
 
 
@@ -585,7 +585,7 @@ def _layer_line(layer: dict) -> str:
     routing = f"{layer['scoring']} top-{layer['top_k']}" + (", renormalize" if layer["renormalize"] else "")
     shared = f"   (its {layer['shared_experts']} shared expert(s) not included)" if layer["shared_experts"] else ""
     ref = layer["reference"]
-    versus = f"   vs bf16 = over [bold]{ref['path']}[/] bf16" if ref else ""
+    versus = f"   vs bf16 = over [bold]{ref['backend']}[/] bf16" if ref else ""
     return (f"[bold]{layer['name']}[/]  H={layer['hidden']} I={layer['inter']} E={layer['experts']} "
             f"k={layer['top_k']}  {layer['activation']}  {routing}   bf16 weights "
             f"{layer['weights_bytes'] / 1e9:.2f} GB ({expert_mb:.1f} MB/expert){versus}{shared}")
@@ -594,23 +594,23 @@ def _layer_line(layer: dict) -> str:
 def layer_table(report: dict) -> Table:
     layer = report["layer"]
     table = Table(title=f"{layer['name']} MoE layer (routing included; % of read bandwidth, % of torch.mm and vs bf16 "
-                        "measured side by side per M; experts hit, MB per expert as each path packs it, scales "
+                        "measured side by side per M; experts hit, MB per expert as each backend packs it, scales "
                         "included)",
                   title_justify="left")
-    columns = ("M", "experts", "format", "path", "MB/exp", "ms", "GFLOP/s", "GB/s", "% bw", "% mm", "vs naive",
+    columns = ("M", "experts", "format", "backend", "MB/exp", "ms", "GFLOP/s", "GB/s", "% bw", "% mm", "vs naive",
                "vs bf16 (target)", "bytes bound")
     for name in columns:
-        table.add_column(name, justify="left" if name in ("format", "path") else "right", no_wrap=True)
+        table.add_column(name, justify="left" if name in ("format", "backend") else "right", no_wrap=True)
     chosen = {f["format"]: f["oracle_choice"] for f in layer["formats"]}
     results = report["results"]
-    order = list(dict.fromkeys((r["format"], r["path"]) for r in results))
+    order = list(dict.fromkeys((r["format"], r["backend"]) for r in results))
     for m in sorted({r["tokens"] for r in results}):
-        group = sorted((r for r in results if r["tokens"] == m), key=lambda r: order.index((r["format"], r["path"])))
+        group = sorted((r for r in results if r["tokens"] == m), key=lambda r: order.index((r["format"], r["backend"])))
         for i, r in enumerate(group):
             first_of_format = i == 0 or group[i - 1]["format"] != r["format"]
-            path = f"[bold]{r['path']}[/]" if r["path"] == chosen.get(r["format"]) else r["path"]
+            backend = f"[bold]{r['backend']}[/]" if r["backend"] == chosen.get(r["format"]) else r["backend"]
             table.add_row(str(m) if i == 0 else "", str(r["distinct_experts"]) if i == 0 else "",
-                          _short(r["format"]) if first_of_format else "", path, f"{r['expert_bytes'] / 1e6:.2f}",
+                          _short(r["format"]) if first_of_format else "", backend, f"{r['expert_bytes'] / 1e6:.2f}",
                           f"{r['ms']:.3f}", f"{r['gflops']:.1f}", f"{r['gbs']:.1f}", f"{r['bandwidth_pct']:.0f}%",
                           f"{r['peak_pct']:.0f}%", _ratio(r["speedup_vs_naive"]), _versus_bf16(r),
                           _ratio(r["bytes_bound_vs_bf16"]), end_section=i == len(group) - 1)

@@ -1,6 +1,6 @@
-"""Expert paths and the oracle that picks one (see oracle.py)."""
-from cpumoe.experts.base import ExpertsConfig, ExpertsPath, PreparedExperts
-from cpumoe.experts.oracle import NoSupportedPath, all_paths, choose_path, path_report
+"""Experts backends and the oracle that picks one (see oracle.py)."""
+from cpumoe.experts.base import ExpertsBackend, ExpertsConfig, PreparedExperts
+from cpumoe.experts.oracle import NoSupportedBackend, all_backends, backend_report, choose_backend
 
-__all__ = ["ExpertsConfig", "ExpertsPath", "PreparedExperts", "NoSupportedPath", "all_paths", "choose_path",
-           "path_report"]
+__all__ = ["ExpertsBackend", "ExpertsConfig", "PreparedExperts", "NoSupportedBackend", "all_backends",
+           "backend_report", "choose_backend"]

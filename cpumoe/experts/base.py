@@ -1,6 +1,6 @@
-"""What an experts path is: it declares what it supports, packs weights once, and runs the layer.
+"""What an experts backend is: it declares what it supports, packs weights once, and runs the layer.
 
-    router -> select_experts -> ExpertsPath.apply(prepared weights, x, topk_weights, topk_ids) -> [M, H]
+    router -> select_experts -> ExpertsBackend.apply(prepared weights, x, topk_weights, topk_ids) -> [M, H]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ QuantExpertReader = Callable[[int], tuple[QuantizedWeight, QuantizedWeight]]
 
 @dataclass(frozen=True, slots=True)
 class ExpertsConfig:
-    """Everything a path needs to know to say whether it can run a layer."""
+    """Everything a backend needs to know to say whether it can run a layer."""
     hidden_size: int
     inter_size: int
     num_experts: int                      # experts held locally (rows of w13/w2)
@@ -37,7 +37,7 @@ class ExpertsConfig:
 
 @dataclass(slots=True)
 class PreparedExperts:
-    """Weights in the layout the path wants, made once after loading."""
+    """Weights in the layout the backend wants, made once after loading."""
     w13: torch.Tensor
     w2: torch.Tensor
     w13_bias: torch.Tensor | None = None
@@ -50,12 +50,12 @@ class PreparedExperts:
                    if t is not None)
 
 
-class ExpertsPath:
+class ExpertsBackend:
     """One way to run the experts. Subclasses set `name` and implement the three methods."""
     name: str = "?"
 
     def is_supported(self, config: ExpertsConfig) -> tuple[bool, str]:
-        """(True, "") when this path can run `config` on this machine, else (False, why not)."""
+        """(True, "") when this backend can run `config` on this machine, else (False, why not)."""
         raise NotImplementedError
 
     def prepare(self, w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None,
@@ -65,7 +65,7 @@ class ExpertsPath:
     def prepare_experts(self, num_experts: int, read_expert: ExpertReader, w13_bias: torch.Tensor | None,
                         w2_bias: torch.Tensor | None) -> PreparedExperts:
         """As prepare, from read_expert(e) -> (w13_e [2I, H], w2_e [H, I]). This default stacks them first;
-        paths with their own layout pack expert by expert, so a layer's unpacked weights never all exist."""
+        backends with their own layout pack expert by expert, so a layer's unpacked weights never all exist."""
         pairs = [read_expert(e) for e in range(num_experts)]
         w13 = torch.stack([p[0] for p in pairs])
         w2 = torch.stack([p[1] for p in pairs])
@@ -93,7 +93,7 @@ class ExpertsPath:
 
 
 def check_common(config: ExpertsConfig) -> tuple[bool, str]:
-    """Checks every path shares."""
+    """Checks every backend shares."""
     if config.activation not in ACTIVATIONS:
         return False, f"no activation {config.activation!r}"
     if config.apply_router_weight_on_input and config.top_k != 1:

@@ -1,4 +1,4 @@
-"""The naive path: a per-expert Python loop of PyTorch GEMMs in the input dtype, as a plain `nn.Module` MoE
+"""The naive backend: a per-expert Python loop of PyTorch GEMMs in the input dtype, as a plain `nn.Module` MoE
 block runs it (transformers' eager experts). It is the baseline the fused kernels are measured against and
 the last resort of the oracle. Quantized layers run here on weights dequantized at load to the activation dtype
 (no activation quantization): the "dequantize and run dense" baseline."""
@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpumoe.experts.base import ExpertsConfig, ExpertsPath, PreparedExperts, check_common
+from cpumoe.experts.base import ExpertsBackend, ExpertsConfig, PreparedExperts, check_common
 from cpumoe.quant import QuantizedWeight, dequantize
 from cpumoe.reference import activate
 
 
-class NaiveExperts(ExpertsPath):
+class NaiveExperts(ExpertsBackend):
     name = "naive"
 
     def is_supported(self, config: ExpertsConfig) -> tuple[bool, str]:

@@ -1,4 +1,4 @@
-"""The C++ kernel paths (csrc/core): x86-avx512bf16, x86-avx512vnni, x86-avx512, x86-avx2, arm-bfmmla, arm-i8mm,
+"""The C++ kernel backends (csrc/core): x86-avx512bf16, x86-avx512vnni, x86-avx512, x86-avx2, arm-bfmmla, arm-i8mm,
 arm-dotprod, arm-neon, generic. One class serves them all; what each supports (compiled in? CPU features? dtypes?
 quantized formats?) comes from the native library, so the Python side never guesses."""
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 
 from cpumoe import ops
-from cpumoe.experts.base import ExpertsConfig, ExpertsPath, PreparedExperts, check_common
+from cpumoe.experts.base import ExpertsBackend, ExpertsConfig, PreparedExperts, check_common
 from cpumoe.quant import QuantFormat, QuantizedWeight
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-class NativeExperts(ExpertsPath):
+class NativeExperts(ExpertsBackend):
     def __init__(self, name: str, unavailable: str, layout: str, rows_per_tile: int, dtypes: list[str],
                  formats: list[str]):
         self.name = name
@@ -86,10 +86,10 @@ class NativeExperts(ExpertsPath):
         if config.quantization != "none":
             return ops.fused_experts_quant(
                 hidden_states.contiguous(), prepared.w13, prepared.w2, topk_weights.contiguous(),
-                topk_ids.contiguous(), path=self.name, format=config.quantization, group_size=config.group_size,
+                topk_ids.contiguous(), backend=self.name, format=config.quantization, group_size=config.group_size,
                 **common)
         return ops.fused_experts(hidden_states.contiguous(), prepared.w13, prepared.w2, topk_weights.contiguous(),
-                                 topk_ids.contiguous(), path=self.name, **common)
+                                 topk_ids.contiguous(), backend=self.name, **common)
 
 
 def _pack_quant(w: QuantizedWeight, group: int, *, w13: bool) -> torch.Tensor:
@@ -114,6 +114,6 @@ def _pack_each(num_experts: int, pack) -> tuple[torch.Tensor, torch.Tensor]:
     return packed13, packed2
 
 
-def native_paths() -> list[NativeExperts]:
+def native_backends() -> list[NativeExperts]:
     return [NativeExperts(name, why, layout, rows, list(dtypes), list(formats))
-            for name, why, layout, rows, dtypes, formats in ops._C.kernel_paths()]
+            for name, why, layout, rows, dtypes, formats in ops._C.kernel_backends()]

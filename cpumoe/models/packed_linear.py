@@ -1,13 +1,14 @@
 """Dense projections on cpumoe's kernels: after loading, each nn.Linear of a model (routers too) becomes a
-PackedLinear whose weight is packed once for the fastest kernel path of its dtype. At decode sizes these
+PackedLinear whose weight is packed once for the fastest kernel backend of its dtype. At decode sizes these
 projections are weight streams like the experts, and the kernels read them near the memory bandwidth
 (about 1.7x torch's bf16 linear at batch 1 here); at prefill sizes they run at the GEMM's rate.
 
 With backend="naive" (the baseline) the model keeps torch's nn.Linear.
 
 QuantizedLinear is the same for a projection a quantized checkpoint stores quantized: its codes and scales are
-packed for the fastest path that runs the format (cpumoe.experts' oracle, as for experts), or, when only the naive
-path can (backend="naive", or fp8/mxfp4 in a float32 model), dequantized to the model dtype, which the log says.
+packed for the fastest backend that runs the format (cpumoe.experts' oracle, as for experts), or, when only the
+naive backend can (backend="naive", or fp8/mxfp4 in a float32 model), dequantized to the model dtype, which the log
+says.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from cpumoe import ops
-from cpumoe.experts import ExpertsConfig, choose_path
+from cpumoe.experts import ExpertsConfig, choose_backend
 from cpumoe.logs import logger
 from cpumoe.quant import QuantizedWeight, dequantize
 
@@ -24,28 +25,28 @@ ROUTER_NAMES = ("gate", "shared_expert_gate")
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T (+ bias) for W [N, K], packed for `path` (linear_path: the fastest of W's dtype)."""
+    """y = x W^T (+ bias) for W [N, K], packed for `backend` (linear_backend: the fastest of W's dtype)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, path: str | None = None,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str | None = None,
                  keep_weight: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.path = linear_path(weight.dtype) if path is None else path
-        self.register_buffer("packed_weight", ops.pack_linear(weight.detach().contiguous(), self.path),
+        self.backend = linear_backend(weight.dtype) if backend is None else backend
+        self.register_buffer("packed_weight", ops.pack_linear(weight.detach().contiguous(), self.backend),
                              persistent=False)
         self.weight = weight if keep_weight else None
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        return ops.linear(x.contiguous(), self.packed_weight, self.bias, path=self.path,
+        return ops.linear(x.contiguous(), self.packed_weight, self.bias, backend=self.backend,
                           out_features=self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}"
 
 
 class QuantizedLinear(nn.Module):
-    """y = x W^T (+ bias) with W a QuantizedWeight [N, K], run quantized (linear_quant) on the chosen path."""
+    """y = x W^T (+ bias) with W a QuantizedWeight [N, K], run quantized (linear_quant) on the chosen backend."""
 
     def __init__(self, weight: QuantizedWeight, *, has_bias: bool, dtype: torch.dtype, backend: str = "auto"):
         super().__init__()
@@ -54,10 +55,10 @@ class QuantizedLinear(nn.Module):
         self.group_size = 0 if weight.group_size == self.in_features else weight.group_size  # 0: a whole row
         config = ExpertsConfig(hidden_size=self.in_features, inter_size=self.out_features, num_experts=1, top_k=1,
                                dtype=dtype, quantization=weight.format.value, group_size=self.group_size)
-        self.path = choose_path(config, backend).name
-        if self.path == "naive":
-            logger.info("a %s linear [%d, %d] is dequantized to %s: no native path runs it here", weight.format.value,
-                        self.out_features, self.in_features, dtype)
+        self.backend = choose_backend(config, backend).name
+        if self.backend == "naive":
+            logger.info("a %s linear [%d, %d] is dequantized to %s: no native backend runs it here",
+                        weight.format.value, self.out_features, self.in_features, dtype)
             self.register_buffer("dense_weight", dequantize(weight).to(dtype), persistent=False)
             self.packed_weight = None
         else:
@@ -73,30 +74,31 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if self.packed_weight is None:
             return torch.nn.functional.linear(x, self.dense_weight, self.bias)
-        return ops.linear_quant(x, self.packed_weight, self.bias, path=self.path, format=self.format.value,
+        return ops.linear_quant(x, self.packed_weight, self.bias, backend=self.backend, format=self.format.value,
                                 group_size=self.group_size, out_features=self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format.value}, "
-                f"path={self.path}")
+                f"backend={self.backend}")
 
 
-def linear_path(dtype: torch.dtype, backend: str = "auto") -> str:
-    """The kernel path dense projections of `dtype` run on ("naive" when no native one takes it)."""
-    return choose_path(ExpertsConfig(hidden_size=64, inter_size=64, num_experts=1, top_k=1, dtype=dtype), backend).name
+def linear_backend(dtype: torch.dtype, backend: str = "auto") -> str:
+    """The kernel backend dense projections of `dtype` run on ("naive" when no native one takes it)."""
+    config = ExpertsConfig(hidden_size=64, inter_size=64, num_experts=1, top_k=1, dtype=dtype)
+    return choose_backend(config, backend).name
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype, backend: str = "auto") -> int:
     """Replace the model's nn.Linear modules by PackedLinear; returns how many."""
     if backend == "naive":
         return 0
-    path = linear_path(dtype, backend)
-    if path == "naive":
-        logger.info("dense projections stay torch nn.Linear: no native kernel path takes %s", dtype)
+    chosen = linear_backend(dtype, backend)
+    if chosen == "naive":
+        logger.info("dense projections stay torch nn.Linear: no native kernel backend takes %s", dtype)
         return 0
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr,
-                PackedLinear(linear.weight, linear.bias, path, keep_weight=attr in ROUTER_NAMES))
+                PackedLinear(linear.weight, linear.bias, chosen, keep_weight=attr in ROUTER_NAMES))
     return len(targets)

@@ -134,11 +134,11 @@ def _layer_section(cases: list[Case], machines: Machines, draw: _Drawer, skeleto
         section.blocks.append(_every_layer_case(cases, columns))
         return section
     origin = "given with --skeleton" if given else "the most common shape among the rows"
-    section.text = (f"Skeleton {skeleton.describe()} ({origin}). Against the tokens M: a line per experts path "
+    section.text = (f"Skeleton {skeleton.describe()} ({origin}). Against the tokens M: a line per experts backend "
                     "(naive dashed); against a skeleton parameter (the paper's sweeps, the other three kept at the "
-                    "skeleton's): a line per M (colour) and experts path (line style); a red cross marks a case that "
-                    "would not fit this machine (oom). Beside the time: the layer's achieved GB/s as % of the read "
-                    "bandwidth and its GFLOP/s as % of the GEMM rate its runs measured.")
+                    "skeleton's): a line per M (colour) and experts backend (line style); a red cross marks a case "
+                    "that would not fit this machine (oom). Beside the time: the layer's achieved GB/s as % of the "
+                    "read bandwidth and its GFLOP/s as % of the GEMM rate its runs measured.")
     swept = {axis: sorted(on_axis(cases, skeleton, axis), key=lambda c: _order(c, (axis, "tokens", "impl")))
              for axis in LAYER_AXES}
     swept = {axis: points for axis, points in swept.items() if len({c.get(axis) for c in points}) > 1}
@@ -146,7 +146,7 @@ def _layer_section(cases: list[Case], machines: Machines, draw: _Drawer, skeleto
     shapes = [skeleton] if swept else list(dict.fromkeys(_shape(c) for c in cases if _shape(c) is not None))
     for i, shape in enumerate(shapes, start=1):
         points = sorted([c for c in cases if _shape(c) == shape],
-                        key=lambda c: _order(c, ("format", "impl", "path", "tokens")))
+                        key=lambda c: _order(c, ("format", "impl", "backend", "tokens")))
         if len({c.get("tokens") for c in points}) < 2:
             continue
         presets = ", ".join(dict.fromkeys(str(c.get("preset")) for c in points))
@@ -190,9 +190,9 @@ def _shape(case: Case) -> Skeleton | None:
 
 
 def _fused_naive_pairs(cases: list[Case]) -> list[tuple[Case, Case]]:
-    """(fused, naive) cases equal in every parameter but impl and path, on the same machine."""
+    """(fused, naive) cases equal in every parameter but impl and backend, on the same machine."""
     def key(case: Case) -> tuple[str, str]:
-        rest = {k: v for k, v in case.params.items() if k not in ("impl", "path")}
+        rest = {k: v for k, v in case.params.items() if k not in ("impl", "backend")}
         return case_key(rest), case.machine
 
     naive = {key(c): c for c in cases if c.get("impl") == "naive" and c.status == "ok"}

@@ -99,15 +99,24 @@ class Case:
 
 def group_cases(rows: Sequence[Row]) -> list[Case]:
     """One Case per (bench, case, machine), in the order of each case's first row."""
-    grouped: dict[tuple[str, str, str], list[Row]] = {}
+    grouped: dict[tuple[str, str, str], tuple[dict[str, Any], list[Row]]] = {}
     for row in rows:
-        grouped.setdefault((row.bench, case_key(row.case), row.machine), []).append(row)
+        params = _params(row)
+        grouped.setdefault((row.bench, case_key(params), row.machine), (params, []))[1].append(row)
     cases = []
-    for (bench, _key, machine), runs in grouped.items():
+    for (bench, _key, machine), (params, runs) in grouped.items():
         status = next(s for s in ("ok", "oom", "error") if any(r.status == s for r in runs))
-        cases.append(Case(bench=bench, params=dict(runs[0].case), machine=machine, status=status,
+        cases.append(Case(bench=bench, params=params, machine=machine, status=status,
                           rows=[r for r in runs if r.status == status], runs=len(runs)))
     return cases
+
+
+def _params(row: Row) -> dict[str, Any]:
+    """A row's case parameters. Layer rows of databases written before the kernel choice was called "backend" name
+    it "path": read as "backend", so an older database still renders (and its rows join newer ones of the case)."""
+    if row.bench != "layer" or "path" not in row.case or "backend" in row.case:
+        return dict(row.case)
+    return {("backend" if k == "path" else k): v for k, v in row.case.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,7 +71,7 @@ def series_labels(series: Sequence[Series], names: dict[str, str] | None = None)
         if "machine" in fields and "machine" not in shown:
             shown.append("machine")
         parts = [f"{names.get(f, f)}{s.ident[f]}" if names.get(f, f) else str(s.ident[f]) for f in shown]
-        labels.append(" ".join(dict.fromkeys(parts)))   # 'naive naive' (path and impl) once
+        labels.append(" ".join(dict.fromkeys(parts)))   # 'naive naive' (backend and impl) once
     return labels
 
 
@@ -79,18 +79,19 @@ def series_labels(series: Sequence[Series], names: dict[str, str] | None = None)
 
 def layer_axis(path: Path, axis: str, cases: Sequence[Case], machines: Machines, title: str) -> bool:
     """Time, % read bandwidth and % GEMM peak of the layer against `axis`: a skeleton parameter, with a line per M
-    (colour) and experts path (line style), or the tokens M, with a line per path (colour) and impl (line style)."""
+    (colour) and experts backend (line style), or the tokens M, with a line per backend (colour) and impl (line
+    style)."""
     ok = [c for c in cases if c.status == "ok"]
     oom = [c for c in cases if c.status == "oom"]
     if not ok and not oom:
         return False
     fig, axes = plt.subplots(2, 2, figsize=FIGSIZE, dpi=DPI, layout="constrained")
     t_ax, bw_ax, legend_ax, pk_ax = axes[0, 0], axes[0, 1], axes[1, 0], axes[1, 1]
-    # the path names the impl too (every path but "naive" is fused): a series is one path
-    series = group_series(ok, [f for f in ("tokens", "path", "format") if f != axis], axis, machines)
-    labels = series_labels(series, {"tokens": "M=", "path": "", "format": "", "machine": ""})
-    colour_of = (lambda s: s.ident["path"]) if axis == "tokens" else (lambda s: s.ident["tokens"])  # noqa: E731
-    style_of = (lambda s: s.cases[0].get("impl")) if axis == "tokens" else (lambda s: s.ident["path"])  # noqa: E731
+    # the backend names the impl too (every backend but "naive" is fused): a series is one backend
+    series = group_series(ok, [f for f in ("tokens", "backend", "format") if f != axis], axis, machines)
+    labels = series_labels(series, {"tokens": "M=", "backend": "", "format": "", "machine": ""})
+    colour_of = (lambda s: s.ident["backend"]) if axis == "tokens" else (lambda s: s.ident["tokens"])  # noqa: E731
+    style_of = (lambda s: s.cases[0].get("impl")) if axis == "tokens" else (lambda s: s.ident["backend"])  # noqa: E731
     colours = sorted({colour_of(s) for s in series}, key=sort_key)
     styles = list(dict.fromkeys(style_of(s) for s in series))
     for s, label in zip(series, labels):
@@ -115,7 +116,7 @@ def layer_axis(path: Path, axis: str, cases: Sequence[Case], machines: Machines,
 
 def layer_speedup(path: Path, pairs_by_axis: dict[str, list[tuple[Case, Case]]], skeleton: Skeleton,
                   machines: Machines) -> bool:
-    """Fused over naive speed-up along each skeleton axis; a line per M (and fused path, format, machine)."""
+    """Fused over naive speed-up along each skeleton axis; a line per M (and fused backend, format, machine)."""
     from cpumoe.report.tables import speedup
 
     drawn = {axis: pairs for axis, pairs in pairs_by_axis.items() if pairs}
@@ -130,8 +131,8 @@ def layer_speedup(path: Path, pairs_by_axis: dict[str, list[tuple[Case, Case]]],
             ax.set_axis_off()
             continue
         by_fused = {id(f): n for f, n in pairs}
-        series = group_series([f for f, _ in pairs], ("tokens", "path", "format"), axis, machines)
-        labels = series_labels(series, {"tokens": "M=", "path": "", "format": "", "machine": ""})
+        series = group_series([f for f, _ in pairs], ("tokens", "backend", "format"), axis, machines)
+        labels = series_labels(series, {"tokens": "M=", "backend": "", "format": "", "machine": ""})
         for i, (s, label) in enumerate(zip(series, labels)):
             _curve(ax, [c.get(axis) for c in s.cases], [speedup(c, by_fused[id(c)]) for c in s.cases], label=label,
                    color=COLORS[i % len(COLORS)], marker="o", markersize=4)

@@ -64,7 +64,7 @@ def _status(case: Case) -> str:
 
 def layer_columns(machines: Machines) -> list[Column]:
     return [param("preset"), param("hidden", "H"), param("inter", "I"), param("experts", "E"), param("top_k", "k"),
-            param("format"), param("path"), param("impl"), param("tokens", "M"), param("threads"),
+            param("format"), param("backend"), param("impl"), param("tokens", "M"), param("threads"),
             *run_columns(machines),
             metric("time_ms", "time ms"), metric("gflops", "GFLOP/s"), metric("gbs", "GB/s"),
             metric("pct_bandwidth", "% read BW"), metric("pct_peak", "% GEMM peak"),
@@ -72,9 +72,9 @@ def layer_columns(machines: Machines) -> list[Column]:
 
 
 def speedup_table(name: str, title: str, pairs: Sequence[tuple[Case, Case]], machines: Machines) -> Table:
-    """One row per (fused, naive) pair of layer cases that differ only in impl and path."""
+    """One row per (fused, naive) pair of layer cases that differ only in impl and backend."""
     columns = [Column(k, label) for k, label in (("hidden", "H"), ("inter", "I"), ("experts", "E"), ("top_k", "k"),
-                                                 ("format", "format"), ("tokens", "M"), ("path", "fused path"))]
+                                                 ("format", "format"), ("tokens", "M"), ("backend", "fused backend"))]
     if machines.several:
         columns.append(Column("machine", "machine"))
     columns += [Column("fused_ms", "fused ms", stat=True), Column("naive_ms", "naive ms", stat=True),

@@ -8,9 +8,9 @@ namespace cpumoe {
 
 const KernelTable& attention_kernel(std::string* name) {
   static const KernelInfo* chosen = [] {
-    for (const KernelInfo& info : kernel_paths())
+    for (const KernelInfo& info : kernel_backends())
       if (info.table && info.table->attention) return &info;
-    throw std::logic_error("no kernel path has decode attention (the generic one always should)");
+    throw std::logic_error("no kernel backend has decode attention (the generic one always should)");
   }();
   if (name) *name = chosen->name;
   return *chosen->table;

@@ -10,7 +10,7 @@
 
 namespace cpumoe {
 
-// The first available path (fastest first) whose unit has an attention kernel; *name gets its name.
+// The first available backend (fastest first) whose unit has an attention kernel; *name gets its name.
 const KernelTable& attention_kernel(std::string* name = nullptr);
 
 // Runs `kernel`'s attention (one with an attention kernel) over every (sequence, KV head).

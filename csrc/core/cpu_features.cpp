@@ -58,18 +58,18 @@ std::vector<std::string> detect() { return {}; }
 
 using QuantFn = const QuantKernel* (*)(QuantFormat);
 
-struct PathSpec {
+struct BackendSpec {
   const char* name;
   bool built;                         // compiled for this architecture
-  const KernelTable* (*table)();      // dense tiles, or nullptr: the path has none
+  const KernelTable* (*table)();      // dense tiles, or nullptr: the backend has none
   QuantFn quant;                      // quantized tiles per format (nullptr entries: not written), or nullptr
   std::vector<std::string> requires;  // CPU features
 };
 
 const QuantKernel* generic_quant(QuantFormat f) { return &quant_generic(f); }
 
-// Fastest first: for each dtype and format the first available path that has tiles for it wins.
-std::vector<PathSpec> specs() {
+// Fastest first: for each dtype and format the first available backend that has tiles for it wins.
+std::vector<BackendSpec> specs() {
   return {
 #if defined(__x86_64__)
       {"x86-avx512bf16", true, [] { return &kernels_x86_avx512bf16(); }, quant_x86_avx512bf16,
@@ -109,9 +109,9 @@ bool cpu_has(const std::string& feature) {
 
 namespace {
 
-std::vector<KernelInfo> probe_paths() {
+std::vector<KernelInfo> probe_backends() {
   std::vector<KernelInfo> out;
-  for (const PathSpec& s : specs()) {
+  for (const BackendSpec& s : specs()) {
     KernelInfo info{nullptr, s.name, "", {}};
     if (!s.built) {
       info.unavailable = "not built for this architecture";
@@ -133,31 +133,31 @@ std::vector<KernelInfo> probe_paths() {
 
 }  // namespace
 
-// Built once: every op call looks its path up here, and the CPU does not change under a process.
-const std::vector<KernelInfo>& kernel_paths() {
-  static const std::vector<KernelInfo> paths = probe_paths();
-  return paths;
+// Built once: every op call looks its backend up here, and the CPU does not change under a process.
+const std::vector<KernelInfo>& kernel_backends() {
+  static const std::vector<KernelInfo> backends = probe_backends();
+  return backends;
 }
 
 const KernelTable* find_kernel(const std::string& name, std::string* why) {
-  for (const KernelInfo& k : kernel_paths())
+  for (const KernelInfo& k : kernel_backends())
     if (k.name == name) {
       if (!k.table && why) *why = k.unavailable.empty() ? "it has no fp32/bf16/fp16 tiles" : k.unavailable;
       return k.table;
     }
-  if (why) *why = "unknown kernel path '" + name + "'";
+  if (why) *why = "unknown kernel backend '" + name + "'";
   return nullptr;
 }
 
 const QuantKernel* find_quant_kernel(const std::string& name, QuantFormat format, std::string* why) {
-  for (const KernelInfo& k : kernel_paths())
+  for (const KernelInfo& k : kernel_backends())
     if (k.name == name) {
       const QuantKernel* q = k.quant[int(format)];
       if (!q && why)
         *why = k.unavailable.empty() ? std::string("it has no ") + quant_format_name(format) + " tiles" : k.unavailable;
       return q;
     }
-  if (why) *why = "unknown kernel path '" + name + "'";
+  if (why) *why = "unknown kernel backend '" + name + "'";
   return nullptr;
 }
 

@@ -1,4 +1,4 @@
-// Run-time CPU feature detection and the table of kernel paths built into this binary.
+// Run-time CPU feature detection and the table of kernel backends built into this binary.
 #pragma once
 #include <string>
 #include <vector>
@@ -14,17 +14,17 @@ const std::vector<std::string>& cpu_features();
 bool cpu_has(const std::string& feature);
 
 struct KernelInfo {
-  const KernelTable* table;    // dense (fp32/bf16/fp16) tiles; nullptr when unavailable or the path has none
+  const KernelTable* table;    // dense (fp32/bf16/fp16) tiles; nullptr when unavailable or the backend has none
   std::string name;
-  std::string unavailable;     // empty when the path can run here, else why not
+  std::string unavailable;     // empty when the backend can run here, else why not
   const QuantKernel* quant[kNumQuantFormats];  // per QuantFormat; nullptr when unavailable or not written
 };
 
-// Every path cpumoe knows, fastest first, with whether it can run on this CPU.
-const std::vector<KernelInfo>& kernel_paths();
-// The named path's dense tiles, or nullptr with *why set.
+// Every backend cpumoe knows, fastest first, with whether it can run on this CPU.
+const std::vector<KernelInfo>& kernel_backends();
+// The named backend's dense tiles, or nullptr with *why set.
 const KernelTable* find_kernel(const std::string& name, std::string* why);
-// The named path's tiles for a quantized format, or nullptr with *why set.
+// The named backend's tiles for a quantized format, or nullptr with *why set.
 const QuantKernel* find_quant_kernel(const std::string& name, QuantFormat format, std::string* why);
 
 }  // namespace cpumoe

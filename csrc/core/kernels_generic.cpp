@@ -1,5 +1,5 @@
-// Portable path: the fp32-FMA tiles compiled for the architecture's baseline (SSE2 on x86-64, NEON on
-// AArch64). Runs everywhere; every other path is checked against the same reference.
+// Portable backend: the fp32-FMA tiles compiled for the architecture's baseline (SSE2 on x86-64, NEON on
+// AArch64). Runs everywhere; every other backend is checked against the same reference.
 #define CPUMOE_TABLE_FN kernels_generic
 #define CPUMOE_NAME "generic"
 #define CPUMOE_MAX_ROWS 1

@@ -1,5 +1,5 @@
 // A dense linear layer on the experts' kernels: y[M][N] = x[M][K] . w[N][K]^T (+ bias), with w packed once
-// as a single "w2" (pack_w2 with H = N, I = K), so every path's w2 tile serves it. It exists because at
+// as a single "w2" (pack_w2 with H = N, I = K), so every backend's w2 tile serves it. It exists because at
 // decode sizes the projections around the experts are weight streams too, and the tiles stream near the
 // memory bandwidth where a general GEMM library does not.
 #pragma once

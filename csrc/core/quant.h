@@ -62,8 +62,8 @@
 // Dot products are exact integer sums for A8 formats, rescaled in float32 once per group (int4, mxfp4) or
 // once per row (int8): y = scale_a * sum_G scale_w[G] * (acc_G - zero[G] * sums_G) for int4, y = scale_a *
 // scale_w * (acc) for int8, and for mxfp4 (acc_G = sum of kMxfp4Twice[q] * a, so the 2 is taken off with
-// the row's scale) y = (sum_G 2^(e_G - 127) * acc_G) * (scale_a * 0.5). Each path sums the groups in
-// order, one rounding per group, so every path gives the same bits.
+// the row's scale) y = (sum_G 2^(e_G - 127) * acc_G) * (scale_a * 0.5). Each backend sums the groups in
+// order, one rounding per group, so every backend gives the same bits.
 #pragma once
 #include <cstdint>
 
@@ -133,7 +133,7 @@ void quantize_row(const void* x, int64_t K, DType dtype, int64_t Kp, bool unsign
 // The same from float32 (the intermediate of A8 formats).
 void quantize_row_f32(const float* x, int64_t K, int64_t Kp, bool unsigned_activations, uint8_t* dst);
 
-// The portable tiles of each format (quant_generic.cpp): every other path is checked against them.
+// The portable tiles of each format (quant_generic.cpp): every other backend is checked against them.
 const QuantKernel& quant_generic(QuantFormat f);
 #if defined(__x86_64__)
 const QuantKernel* quant_x86_avx512vnni(QuantFormat f);  // int8, int4, mxfp4; nullptr for fp8

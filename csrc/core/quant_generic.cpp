@@ -1,7 +1,7 @@
 // Portable tiles of every quantized format (quant.h), one row at a time with plain loops over the 64
 // columns (the compiler vectorizes them for the baseline ISA). They are the definition every ISA's tiles
-// are checked against, and the path that runs where no ISA unit has tiles for a format. Also the per-token
-// activation quantization every A8 path shares.
+// are checked against, and the backend that runs where no ISA unit has tiles for a format. Also the per-token
+// activation quantization every A8 backend shares.
 #include <array>
 #include <cstring>
 #include <vector>

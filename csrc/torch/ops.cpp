@@ -1,5 +1,5 @@
 // The one registration file: TORCH_LIBRARY(cpumoe) schemas and CPU kernels for the tensor ops, plus a few
-// plain Python functions (CPU features, kernel paths, bandwidth). Input checks live here so that the
+// plain Python functions (CPU features, kernel backends, bandwidth). Input checks live here so that the
 // PyTorch-free core can assume well-formed arguments.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -66,7 +66,7 @@ Activation to_activation(const std::string& name) {
 const KernelTable& kernel_or_throw(const std::string& name) {
   std::string why;
   const KernelTable* k = find_kernel(name, &why);
-  TORCH_CHECK(k, "kernel path '", name, "' cannot run here: ", why);
+  TORCH_CHECK(k, "kernel backend '", name, "' cannot run here: ", why);
   return *k;
 }
 
@@ -80,7 +80,7 @@ QuantFormat to_format(const std::string& name) {
 const QuantKernel& quant_kernel_or_throw(const std::string& name, QuantFormat f) {
   std::string why;
   const QuantKernel* k = find_quant_kernel(name, f, &why);
-  TORCH_CHECK(k, "kernel path '", name, "' cannot run ", quant_format_name(f), ": ", why);
+  TORCH_CHECK(k, "kernel backend '", name, "' cannot run ", quant_format_name(f), ": ", why);
   return *k;
 }
 
@@ -103,7 +103,7 @@ at::Tensor pack(const at::Tensor& w, const std::string& kernel, bool is_w13) {
   check_dense(w, what, 3);
   const KernelTable& kt = kernel_or_throw(kernel);
   const DType dt = to_dtype(w, what);
-  TORCH_CHECK(kt.supports(dt), "kernel path '", kernel, "' does not take ", dtype_name(dt), " weights");
+  TORCH_CHECK(kt.supports(dt), "kernel backend '", kernel, "' does not take ", dtype_name(dt), " weights");
   const int64_t E = w.size(0);
   int64_t H, I;
   if (is_w13) {
@@ -115,7 +115,7 @@ at::Tensor pack(const at::Tensor& w, const std::string& kernel, bool is_w13) {
   TORCH_CHECK(E > 0 && H > 0 && I > 0, what, " has an empty dimension: ", w.sizes());
   PackedShape s = is_w13 ? w13_packed_shape(H, I, kt.layout) : w2_packed_shape(H, I, kt.layout);
   PackedInfo info;
-  info.layout = kt.layout, info.path = kt.name, info.w13 = is_w13, info.rows = w.size(1), info.cols = w.size(2);
+  info.layout = kt.layout, info.backend = kt.name, info.w13 = is_w13, info.rows = w.size(1), info.cols = w.size(2);
   at::Tensor out = empty_packed({E, s.blocks, s.block_elems}, w.scalar_type(), info);
   const void* src = w.data_ptr();
   void* dst = out.data_ptr();
@@ -228,7 +228,7 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const 
   const KernelTable& kt = kernel_or_throw(std::string(kernel_name));
   check_dense(hidden, "hidden_states", 2);
   const DType dt = to_dtype(hidden, "hidden_states");
-  TORCH_CHECK(kt.supports(dt), "kernel path '", kt.name, "' does not take ", dtype_name(dt), " activations");
+  TORCH_CHECK(kt.supports(dt), "kernel backend '", kt.name, "' does not take ", dtype_name(dt), " activations");
   check_dense(w13, "packed w13", 3);
   check_dense(w2, "packed w2", 3);
   TORCH_CHECK(w13.scalar_type() == hidden.scalar_type() && w2.scalar_type() == hidden.scalar_type(),
@@ -236,11 +236,11 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const 
               hidden.scalar_type(), ")");
   const int64_t H = hidden.size(1), E = w13.size(0);
   check_packed_experts(w13, w2, H, [&](const PackedInfo& i) { return !i.quant && i.layout == kt.layout; },
-                       "path '" + std::string(kt.name) + "'");
+                       "backend '" + std::string(kt.name) + "'");
   const PackedShape s13 = w13_packed_shape(H, w13.size(1) * kW13BlockInter, kt.layout);
   TORCH_CHECK(w13.size(2) == s13.block_elems,
               "packed w13 does not match hidden size ", H, " for kernel '", kt.name, "': block of ", w13.size(2),
-              " elements, expected ", s13.block_elems, " (was it packed for another path or hidden size?)");
+              " elements, expected ", s13.block_elems, " (was it packed for another backend or hidden size?)");
   const int64_t Ip = w13.size(1) * kW13BlockInter;
   const PackedShape s2 = w2_packed_shape(H, Ip, kt.layout);
   TORCH_CHECK(w2.size(0) == E && w2.size(1) == s2.blocks && w2.size(2) == s2.block_elems,
@@ -373,9 +373,9 @@ at::Tensor run_linear(LinearArgs& a, const at::Tensor& x, const at::Tensor& w, c
 }
 
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                        std::string_view path, std::string_view format, int64_t group_size, int64_t out_features) {
+                        std::string_view backend, std::string_view format, int64_t group_size, int64_t out_features) {
   const QuantFormat f = to_format(std::string(format));
-  const QuantKernel& qk = quant_kernel_or_throw(std::string(path), f);
+  const QuantKernel& qk = quant_kernel_or_throw(std::string(backend), f);
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "x must be a CPU tensor of shape [..., K], got ", x.sizes());
   const DType dt = to_dtype(x, "x");
   TORCH_CHECK_VALUE(quant_int8_activations(f) || dt == DType::kBFloat16, quant_format_name(f),
@@ -395,20 +395,20 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& w, const std::opt
 }
 
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                     std::string_view path, int64_t out_features) {
-  const KernelTable& kt = kernel_or_throw(std::string(path));
+                     std::string_view backend, int64_t out_features) {
+  const KernelTable& kt = kernel_or_throw(std::string(backend));
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "x must be a CPU tensor of shape [..., K], got ", x.sizes());
   const DType dt = to_dtype(x, "x");
-  TORCH_CHECK(kt.supports(dt), "kernel path '", kt.name, "' does not take ", dtype_name(dt), " activations");
+  TORCH_CHECK(kt.supports(dt), "kernel backend '", kt.name, "' does not take ", dtype_name(dt), " activations");
   check_dense(w, "packed linear weight", 3);
   TORCH_CHECK(w.scalar_type() == x.scalar_type(), "packed weight dtype ", w.scalar_type(), " differs from x's ",
               x.scalar_type());
   const int64_t K = x.size(-1);
   check_packed_linear(w, out_features, K, [&](const PackedInfo& i) { return !i.quant && i.layout == kt.layout; },
-                      "path '" + std::string(kt.name) + "'");
+                      "backend '" + std::string(kt.name) + "'");
   const PackedShape s = w2_packed_shape(out_features, K, kt.layout);
   TORCH_CHECK(w.size(0) == 1 && w.size(1) == s.blocks && w.size(2) == s.block_elems, "packed linear weight ",
-              w.sizes(), " does not match in_features ", K, " and out_features ", out_features, " for path '",
+              w.sizes(), " does not match in_features ", K, " and out_features ", out_features, " for backend '",
               kt.name, "' (expected [1, ", s.blocks, ", ", s.block_elems, "])");
   LinearArgs a;
   a.kernels = &kt;
@@ -464,7 +464,7 @@ void check_cache(const at::Tensor& t, const char* what) {
 at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_table, const at::Tensor& key_begin,
                                const at::Tensor& key_end, double scale, const std::optional<at::Tensor>& sinks,
-                               const std::string& path) {
+                               const std::string& backend) {
   check_dense(q, "q", 3);
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
@@ -519,9 +519,9 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
   a.v_slot_stride = v_cache.stride(1);
   a.out = out.data_ptr();
   const KernelTable* kernel = &attention_kernel();
-  if (!path.empty()) {
-    kernel = &kernel_or_throw(path);
-    TORCH_CHECK_VALUE(kernel->attention, "kernel path '", path, "' has no decode attention");
+  if (!backend.empty()) {
+    kernel = &kernel_or_throw(backend);
+    TORCH_CHECK_VALUE(kernel->attention, "kernel backend '", backend, "' has no decode attention");
   }
   decode_attention(a, *kernel, kernel_parallel());
   check_output_guards(out, "decode_attention");
@@ -608,20 +608,20 @@ TORCH_LIBRARY(cpumoe, m) {
   m.def("rope_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
         "Tensor(d!) v_cache, Tensor slot_mapping) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_begin, "
-        "Tensor key_end, float scale, Tensor? sinks, str path=\"\") -> Tensor");
-  m.def("pack_w13(Tensor w13, str path) -> Tensor");
-  m.def("pack_w2(Tensor w2, str path) -> Tensor");
-  m.def("linear(Tensor x, Tensor w, Tensor? bias, *, str path, int out_features) -> Tensor");
+        "Tensor key_end, float scale, Tensor? sinks, str backend=\"\") -> Tensor");
+  m.def("pack_w13(Tensor w13, str backend) -> Tensor");
+  m.def("pack_w2(Tensor w2, str backend) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, Tensor? bias, *, str backend, int out_features) -> Tensor");
   m.def("pack_quant(Tensor qweight, Tensor scales, Tensor? zeros, *, str format, int group_size, bool w13) -> Tensor");
   m.def(
       "fused_experts_quant(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, *, "
-      "str path, str format, int group_size, str activation, Tensor? w13_bias=None, Tensor? w2_bias=None, "
+      "str backend, str format, int group_size, str activation, Tensor? w13_bias=None, Tensor? w2_bias=None, "
       "Tensor? expert_map=None, bool apply_router_weight_on_input=False) -> Tensor");
-  m.def("linear_quant(Tensor x, Tensor w, Tensor? bias, *, str path, str format, int group_size, int out_features) "
+  m.def("linear_quant(Tensor x, Tensor w, Tensor? bias, *, str backend, str format, int group_size, int out_features) "
         "-> Tensor");
   m.def(
       "fused_experts(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, *, "
-      "str path, str activation, Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? expert_map=None, "
+      "str backend, str activation, Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? expert_map=None, "
       "bool apply_router_weight_on_input=False) -> Tensor");
 }
 
@@ -644,11 +644,11 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "cpumoe native helpers (tensor ops are under torch.ops.cpumoe)";
   m.def("cpu_features", &cpumoe::cpu_features, "Usable CPU features, as /proc/cpuinfo names them");
-  m.def("kernel_paths", [] {
+  m.def("kernel_backends", [] {
     std::vector<std::tuple<std::string, std::string, std::string, int, std::vector<std::string>,
                            std::vector<std::string>>> out;
     const char* layouts[] = {"kn", "pairs", "quads"};
-    for (const auto& k : cpumoe::kernel_paths()) {
+    for (const auto& k : cpumoe::kernel_backends()) {
       std::vector<std::string> dtypes;
       if (k.table)
         for (auto d : {cpumoe::DType::kFloat32, cpumoe::DType::kBFloat16, cpumoe::DType::kFloat16})
@@ -660,7 +660,7 @@ PYBIND11_MODULE(_C, m) {
                        k.table ? k.table->max_rows : 0, dtypes, formats);
     }
     return out;
-  }, "(name, why unavailable or '', layout, rows per tile, dtypes, quantized formats) for every kernel path, "
+  }, "(name, why unavailable or '', layout, rows per tile, dtypes, quantized formats) for every kernel backend, "
      "fastest first");
   m.def("quant_packed_shape", [](const std::string& format, int64_t N, int64_t K, int64_t group, bool w13) {
     auto s = cpumoe::quant_shape_or_throw(cpumoe::to_format(format), N, K, group, w13);
@@ -685,12 +685,12 @@ PYBIND11_MODULE(_C, m) {
     return cpumoe::empty_packed(sizes, like.scalar_type(), info);
   }, "An uninitialized stack of `experts` packings recorded as `like` was (its shape but the first dimension), "
      "on memory of its own: for packing expert by expert", pybind11::arg("like"), pybind11::arg("experts"));
-  m.def("attention_paths", [] {
+  m.def("attention_backends", [] {
     std::vector<std::string> names;
-    for (const cpumoe::KernelInfo& info : cpumoe::kernel_paths())
+    for (const cpumoe::KernelInfo& info : cpumoe::kernel_backends())
       if (info.table && info.table->attention) names.push_back(info.name);
     return names;
-  }, "The available kernel paths with decode attention, fastest first");
+  }, "The available kernel backends with decode attention, fastest first");
   m.def("set_output_guards", [](bool on) { cpumoe::output_guards() = on; },
         "Test aid: outputs get guard bytes around them, checked by every op before it returns");
   m.def("check_output_guards", [](const at::Tensor& out) { cpumoe::check_output_guards(out, "a write"); },

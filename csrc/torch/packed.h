@@ -1,4 +1,4 @@
-// What each packed weight was packed as, kept by the address of its storage. Packings for two paths, two
+// What each packed weight was packed as, kept by the address of its storage. Packings for two backends, two
 // widths that round up to the same blocks, or two formats can have the same tensor shape and would run silently
 // wrong; so every packing op records the layout (or format and group) and the true unpacked shape, and the
 // compute ops check the weight they are given against the call. An entry lives exactly as long as the storage:
@@ -19,8 +19,8 @@ namespace cpumoe {
 
 struct PackedInfo {
   bool quant = false;
-  Layout layout{};            // dense: the layout the path packs in
-  const char* path = "";      // dense: the path it was packed for (a static name; named in errors)
+  Layout layout{};            // dense: the layout the backend packs in
+  const char* backend = "";   // dense: the backend it was packed for (a static name; named in errors)
   QuantFormat format{};       // quantized: the format and group size (0 = a whole row)
   int64_t group = 0;
   bool w13 = false;           // w13 [2I, H] per expert, else w2 or a linear [N, K]
@@ -28,7 +28,7 @@ struct PackedInfo {
 
   std::string describe() const {
     std::string s = quant ? std::string(quant_format_name(format)) + " group " + std::to_string(group)
-                          : "path '" + std::string(path) + "'";
+                          : "backend '" + std::string(backend) + "'";
     return s + (w13 ? " w13 " : " w2/linear ") + "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
   }
 };

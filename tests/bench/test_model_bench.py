@@ -23,7 +23,7 @@ def test_bench_model_json(tmp_path, capsys):
                  "--compare", "naive", "--quick", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     results = report["results"]
-    assert [(r["batch"], r["path"] == "naive") for r in results] == [(1, False), (1, True), (3, False), (3, True)]
+    assert [(r["batch"], r["backend"] == "naive") for r in results] == [(1, False), (1, True), (3, False), (3, True)]
     for r in results:
         assert r["ttft_ms"] > 0 and r["itl_ms"] > 0 and r["throughput_tok_s"] > 0, r
         assert r["decode_gbs"] > 0 and r["prefill_gflops"] > 0 and r["peak_rss_gb"] > 0, r
@@ -32,9 +32,9 @@ def test_bench_model_json(tmp_path, capsys):
     assert w["head_elems"] == 400 * load_model(path).config.hidden_size  # the untied lm_head [V, H]
     files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     assert report["checkpoint_gb"] == pytest.approx(files / 1e9)
-    # batch 3 against batch 1, per path; 4 experts top-2: 3 tokens read ~3.6 of them, 1 token 2
+    # batch 3 against batch 1, per backend; 4 experts top-2: 3 tokens read ~3.6 of them, 1 token 2
     scaling = report["batch_scaling"]
-    assert [(s["batch"], s["path"] == "naive") for s in scaling] == [(3, False), (3, True)]
+    assert [(s["batch"], s["backend"] == "naive") for s in scaling] == [(3, False), (3, True)]
     for s in scaling:
         assert s["decode_speedup"] > 0 and 1 < s["bandwidth_bound_speedup"] < 3, s
     # counted routing: one token picks exactly top_k = 2 experts per layer; three pick 2 to 4 of the 4

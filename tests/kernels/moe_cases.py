@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 import cpumoe
-from cpumoe.experts import ExpertsConfig, all_paths
+from cpumoe.experts import ExpertsConfig, all_backends
 
 
 @dataclass(frozen=True)
@@ -49,16 +49,16 @@ def make_problem(case: MoECase, dtype: torch.dtype, *, bias: bool = False, seed:
     return MoEProblem(x, w13, w2, weights, ids, b13, b2)
 
 
-def runnable_paths(dtype: torch.dtype) -> list[str]:
-    """Paths this machine can run for an unquantized layer of `dtype` (native ones and naive)."""
+def runnable_backends(dtype: torch.dtype) -> list[str]:
+    """Backends this machine can run for an unquantized layer of `dtype` (native ones and naive)."""
     config = ExpertsConfig(hidden_size=64, inter_size=32, num_experts=2, top_k=1, dtype=dtype)
-    return [p.name for p in all_paths() if p.is_supported(config)[0]]
+    return [p.name for p in all_backends() if p.is_supported(config)[0]]
 
 
-def path_dtype_grid() -> list:
+def backend_dtype_grid() -> list:
     import pytest
     return [pytest.param(p, d, id=f"{p}-{str(d).removeprefix('torch.')}")
-            for d in (torch.bfloat16, torch.float32, torch.float16) for p in runnable_paths(d)]
+            for d in (torch.bfloat16, torch.float32, torch.float16) for p in runnable_backends(d)]
 
 
 def assert_fake_matches(op, args: tuple, kwargs: dict) -> None:

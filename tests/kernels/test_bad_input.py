@@ -4,10 +4,10 @@ import torch
 
 import cpumoe
 from cpumoe import ops
-from cpumoe.experts import ExpertsConfig, NoSupportedPath, choose_path
-from tests.kernels.moe_cases import MoECase, make_problem, runnable_paths
+from cpumoe.experts import ExpertsConfig, NoSupportedBackend, choose_backend
+from tests.kernels.moe_cases import MoECase, make_problem, runnable_backends
 
-NATIVE_BF16 = [p for p in runnable_paths(torch.bfloat16) if p != "naive"]
+NATIVE_BF16 = [p for p in runnable_backends(torch.bfloat16) if p != "naive"]
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +22,9 @@ def packed(request, problem):
 
 
 def call(packed, problem, **over):
-    path, prep = packed
+    backend, prep = packed
     args = dict(hidden_states=problem.x, w13=prep.w13, w2=prep.w2, topk_weights=problem.topk_weights,
-                topk_ids=problem.topk_ids, path=path, activation="silu")
+                topk_ids=problem.topk_ids, backend=backend, activation="silu")
     args.update(over)
     return ops.fused_experts(**args)
 
@@ -44,7 +44,7 @@ OP_CASES = {
     "weights-fp16": (dict(topk_weights=torch.zeros(4, 2, dtype=torch.float16)), "topk_weights must be float32"),
     "ids-wrong-rows": (dict(topk_ids=torch.zeros(3, 2, dtype=torch.int32)), "must both be"),
     "unknown-activation": (dict(activation="relu2"), "unknown activation 'relu2'"),
-    "unknown-path": (dict(path="x86-amx"), "unknown kernel path 'x86-amx'"),
+    "unknown-backend": (dict(backend="x86-amx"), "unknown kernel backend 'x86-amx'"),
     "on-input-needs-k1": (dict(apply_router_weight_on_input=True), "needs top_k == 1"),
     "expert-map-out-of-range": (dict(expert_map=torch.tensor([0, 1, 2, 9], dtype=torch.int32)), "maps expert 3 to local id 9"),
     "bias-wrong-shape": (dict(w13_bias=torch.zeros(4, 10)), "packed w13_bias must be float32"),
@@ -58,12 +58,12 @@ def test_op_rejects(packed, problem, case):
         call(packed, problem, **over)
 
 
-LAYOUT = {name: layout for name, _, layout, *_ in ops._C.kernel_paths()}
+LAYOUT = {name: layout for name, _, layout, *_ in ops._C.kernel_backends()}
 
 
 @pytest.mark.parametrize("packed_for", NATIVE_BF16)
 def test_op_takes_only_weights_packed_in_its_layout(problem, packed_for):
-    """A packing runs on every path of its layout and is refused by the others, even where the two packings have
+    """A packing runs on every backend of its layout and is refused by the others, even where the two packings have
     the same tensor shape."""
     prep = cpumoe.FusedMoE(problem.w13, problem.w2, top_k=2, backend=packed_for).prepared
     expected = call((packed_for, prep), problem)
@@ -71,12 +71,12 @@ def test_op_takes_only_weights_packed_in_its_layout(problem, packed_for):
         if LAYOUT[other] == LAYOUT[packed_for]:
             torch.testing.assert_close(call((other, prep), problem), expected, rtol=0.02, atol=0.02)
         else:
-            with pytest.raises(ValueError, match=f"packed as path '{packed_for}'.*this call runs path '{other}'"):
+            with pytest.raises(ValueError, match=f"packed as backend '{packed_for}'.*this call runs backend '{other}'"):
                 call((other, prep), problem)
 
 
 def test_op_rejects_swapped_copied_and_foreign_weights(packed, problem):
-    path, prep = packed
+    backend, prep = packed
     with pytest.raises(ValueError, match="swapped or mixed"):
         call(packed, problem, w13=prep.w2, w2=prep.w13)
     with pytest.raises(ValueError, match="packed w13 is not a weight packed by cpumoe"):
@@ -84,18 +84,18 @@ def test_op_rejects_swapped_copied_and_foreign_weights(packed, problem):
     with pytest.raises(ValueError, match="packed w2 is not a weight packed by cpumoe"):
         call(packed, problem, w2=torch.zeros_like(prep.w2))
     other = cpumoe.FusedMoE(problem.w13[:, :32].contiguous(), problem.w2[:, :, :16].contiguous(), top_k=2,
-                            backend=path).prepared  # intermediate 16
+                            backend=backend).prepared  # intermediate 16
     with pytest.raises(ValueError, match="do not share an intermediate size"):
         call(packed, problem, w2=other.w2)
 
 
 def test_op_rejects_weights_of_other_dtype(packed, problem):
-    path, prep = packed
+    backend, prep = packed
     with pytest.raises(RuntimeError, match="must have the dtype of hidden_states"):
         call(packed, problem, w13=prep.w13.half())
 
 
-def test_pack_rejects_dtype_the_path_cannot_take():
+def test_pack_rejects_dtype_the_backend_cannot_take():
     if "x86-avx512bf16" not in NATIVE_BF16:
         pytest.skip("x86-avx512bf16 not available")
     with pytest.raises(RuntimeError, match="does not take float32 weights"):
@@ -136,15 +136,15 @@ def test_forward_rejects_bad_shapes(problem):
 def test_forced_backend_says_why(problem):
     if "x86-avx512bf16" not in NATIVE_BF16:
         pytest.skip("x86-avx512bf16 not available")
-    with pytest.raises(NoSupportedPath, match="takes bfloat16 only"):
+    with pytest.raises(NoSupportedBackend, match="takes bfloat16 only"):
         cpumoe.FusedMoE(problem.w13.float(), problem.w2.float(), top_k=2, backend="x86-avx512bf16")
 
 
-def test_no_path_lists_every_candidate():
+def test_no_backend_lists_every_candidate():
     config = ExpertsConfig(hidden_size=64, inter_size=32, num_experts=4, top_k=2, dtype=torch.bfloat16,
                            activation="relu")
-    with pytest.raises(NoSupportedPath) as err:
-        choose_path(config)
+    with pytest.raises(NoSupportedBackend) as err:
+        choose_backend(config)
     for name in ("x86-avx512bf16", "x86-avx2", "arm-neon", "generic", "naive"):
         assert name in str(err.value)
     assert "no activation 'relu'" in str(err.value)

@@ -1,15 +1,15 @@
-"""The decode attention kernel (ops.decode_attention) against its torch reference (blocks.decode_attention_reference)
-on every path that has one: GQA ratios (one query head per KV head to 20, past the kernel's 16-head groups), head
+"""The decode attention kernel (ops.decode_attention) against its torch reference (cpumoe.attention.decode_attention_reference)
+on every backend that has one: GQA ratios (one query head per KV head to 20, past the kernel's 16-head groups), head
 sizes that fill and do not fill a vector, V wider than K, block sizes, shuffled block tables, key windows that start
 inside a block, one key, attention sinks; and the inputs it must refuse."""
 import pytest
 import torch
 
 from cpumoe import ops
-from cpumoe.models.blocks import DecodeBatch, decode_attention_reference
+from cpumoe.attention import DecodeBatch, decode_attention_reference
 from tests.kernels.tolerances import assert_moe_close
 
-PATHS = ops.attention_paths()
+BACKENDS = ops.attention_backends()
 
 
 def make_case(S, nh, nkv, d, dv, block_size, lens, dtype, window=None, seed=0, sinks=False):
@@ -47,18 +47,18 @@ CASES = [  # S, nh, nkv, d, dv, block_size, lens, window, sinks
 ]
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"S{c[0]}-h{c[1]}x{c[2]}-d{c[3]}v{c[4]}-bs{c[5]}"
                                                       f"{'-w' + str(c[7]) if c[7] else ''}{'-sinks' if c[8] else ''}")
-def test_matches_reference(path, dtype, case):
+def test_matches_reference(backend, dtype, case):
     S, nh, nkv, d, dv, bs, lens, window, sinks = case
     q, k_cache, v_cache, batch, sink = make_case(S, nh, nkv, d, dv, bs, lens, dtype, window, sinks=sinks)
     scale = d ** -0.5
     out = ops.decode_attention(q, k_cache, v_cache, batch.block_table, batch.key_begin, batch.key_end, scale, sink,
-                               path=path)
+                               backend=backend)
     ref = decode_attention_reference(q, k_cache, v_cache, batch, scale=scale, sinks=sink)
-    assert_moe_close(out, ref, dtype, f"{path} {case}")
+    assert_moe_close(out, ref, dtype, f"{backend} {case}")
 
 
 def test_large_scores_stay_finite():
@@ -70,15 +70,15 @@ def test_large_scores_stay_finite():
     assert_moe_close(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_values_as_a_view_of_the_keys_leading_channels(path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_values_as_a_view_of_the_keys_leading_channels(backend):
     """MLA's latent cache: one (c + r)-wide row per token whose first c channels are the values, passed as the view
     k_cache[..., :c] (row stride c + r); the same result as with a contiguous copy of it."""
     q, k_cache, _, batch, _ = make_case(3, 8, 1, 40, 8, 4, [1, 9, 23], torch.bfloat16)
     view = k_cache[..., :32]
     args = (batch.block_table, batch.key_begin, batch.key_end, 0.2)
-    out = ops.decode_attention(q, k_cache, view, *args, path=path)
-    assert torch.equal(out, ops.decode_attention(q, k_cache, view.contiguous(), *args, path=path))
+    out = ops.decode_attention(q, k_cache, view, *args, backend=backend)
+    assert torch.equal(out, ops.decode_attention(q, k_cache, view.contiguous(), *args, backend=backend))
 
 
 def test_fake_kernel_shape():
@@ -110,8 +110,8 @@ def _args():
     (lambda a: a.update(v_cache=a["v_cache"].transpose(0, 1).contiguous().transpose(0, 1)),
      "a view of each slot's leading channels"),
     (lambda a: a.update(v_cache=a["v_cache"][..., ::2]), "a view of each slot's leading channels"),
-    (lambda a: a.update(path="x86-avx512bf16"), "has no decode attention"),
-    (lambda a: a.update(path="x86-avx512vnni"), "cannot run here"),
+    (lambda a: a.update(backend="x86-avx512bf16"), "has no decode attention"),
+    (lambda a: a.update(backend="x86-avx512vnni"), "cannot run here"),
 ])
 def test_bad_input_is_refused(change, message):
     a = _args()

@@ -2,8 +2,8 @@
 
 Each x86/Arm unit instantiates shared templates (quant_tiles.h) on types from its own unnamed namespace.
 GCC mangles every unit's unnamed namespace alike, so an instantiation emitted as a weak or unique symbol
-is merged by the linker across units: one ISA's dispatch table then serves another path's name, and the
-grid tests cannot see it (every path is bit-identical to the generic one). No such symbol may exist.
+is merged by the linker across units: one ISA's dispatch table then serves another backend's name, and the
+grid tests cannot see it (every backend is bit-identical to the generic one). No such symbol may exist.
 """
 
 import platform

@@ -1,10 +1,10 @@
-"""Every kernel path this machine can run, against cpumoe.reference, over shape/dtype/activation grids."""
+"""Every kernel backend this machine can run, against cpumoe.reference, over shape/dtype/activation grids."""
 import pytest
 import torch
 
 import cpumoe
 from cpumoe import reference
-from tests.kernels.moe_cases import MoECase, assert_fake_matches, make_problem, path_dtype_grid
+from tests.kernels.moe_cases import MoECase, assert_fake_matches, backend_dtype_grid, make_problem
 from tests.kernels.tolerances import assert_moe_close
 
 SHAPES = [
@@ -20,38 +20,38 @@ SHAPES = [
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh", "swigluoai"]
 
 
-def run(path: str, p, *, activation="silu", expert_map=None, num_experts=None, on_input=False):
+def run(backend: str, p, *, activation="silu", expert_map=None, num_experts=None, on_input=False):
     layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=p.topk_ids.shape[1], activation=activation, w13_bias=p.w13_bias,
                             w2_bias=p.w2_bias, expert_map=expert_map, num_experts=num_experts,
-                            apply_router_weight_on_input=on_input, backend=path)
-    assert layer.backend == path
+                            apply_router_weight_on_input=on_input, backend=backend)
+    assert layer.backend == backend
     return layer.experts(p.x, p.topk_weights, p.topk_ids)
 
 
-def check(path, dtype, p, msg, **kw):
+def check(backend, dtype, p, msg, **kw):
     ref_kw = {k: v for k, v in kw.items() if k not in ("num_experts", "on_input")}
     ref = reference.fused_experts(p.x, p.w13, p.w2, p.topk_weights, p.topk_ids, w13_bias=p.w13_bias,
                                   w2_bias=p.w2_bias, apply_router_weight_on_input=kw.get("on_input", False), **ref_kw)
-    assert_moe_close(run(path, p, **kw), ref, dtype, msg)
+    assert_moe_close(run(backend, p, **kw), ref, dtype, msg)
 
 
-@pytest.mark.parametrize("path,dtype", path_dtype_grid())
+@pytest.mark.parametrize("backend,dtype", backend_dtype_grid())
 @pytest.mark.parametrize("case", SHAPES, ids=lambda c: c.id)
-def test_shapes(path, dtype, case):
-    check(path, dtype, make_problem(case, dtype), f"{path} {dtype} {case.id}")
+def test_shapes(backend, dtype, case):
+    check(backend, dtype, make_problem(case, dtype), f"{backend} {dtype} {case.id}")
 
 
-@pytest.mark.parametrize("path,dtype", path_dtype_grid())
+@pytest.mark.parametrize("backend,dtype", backend_dtype_grid())
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_activations_and_bias(path, dtype, activation, bias):
+def test_activations_and_bias(backend, dtype, activation, bias):
     case = MoECase(M=17, H=96, I=70, E=8, k=2)
-    check(path, dtype, make_problem(case, dtype, bias=bias), f"{path} {activation} bias={bias}",
+    check(backend, dtype, make_problem(case, dtype, bias=bias), f"{backend} {activation} bias={bias}",
           activation=activation)
 
 
-@pytest.mark.parametrize("path,dtype", path_dtype_grid())
-def test_expert_map_with_missing_experts(path, dtype):
+@pytest.mark.parametrize("backend,dtype", backend_dtype_grid())
+def test_expert_map_with_missing_experts(backend, dtype):
     # 8 global experts, this shard holds 3 of them (global 1, 4, 6 -> local 0, 1, 2).
     case = MoECase(M=29, H=64, I=48, E=8, k=2)
     full = make_problem(case, dtype)
@@ -59,34 +59,34 @@ def test_expert_map_with_missing_experts(path, dtype):
     expert_map[torch.tensor([1, 4, 6])] = torch.arange(3, dtype=torch.int32)
     local = make_problem(case, dtype)
     local.w13, local.w2 = full.w13[[1, 4, 6]].contiguous(), full.w2[[1, 4, 6]].contiguous()
-    check(path, dtype, local, f"{path} expert_map", expert_map=expert_map, num_experts=8)
+    check(backend, dtype, local, f"{backend} expert_map", expert_map=expert_map, num_experts=8)
 
 
-@pytest.mark.parametrize("path,dtype", path_dtype_grid())
-def test_all_tokens_to_one_expert(path, dtype):
+@pytest.mark.parametrize("backend,dtype", backend_dtype_grid())
+def test_all_tokens_to_one_expert(backend, dtype):
     case = MoECase(M=300, H=64, I=40, E=16, k=1)
-    check(path, dtype, make_problem(case, dtype, topk_ids=torch.full((300, 1), 5)), f"{path} skewed")
+    check(backend, dtype, make_problem(case, dtype, topk_ids=torch.full((300, 1), 5)), f"{backend} skewed")
 
 
-@pytest.mark.parametrize("path,dtype", path_dtype_grid())
-def test_router_weight_on_input(path, dtype):
+@pytest.mark.parametrize("backend,dtype", backend_dtype_grid())
+def test_router_weight_on_input(backend, dtype):
     case = MoECase(M=9, H=64, I=40, E=4, k=1)
-    check(path, dtype, make_problem(case, dtype), f"{path} weight on input", on_input=True)
+    check(backend, dtype, make_problem(case, dtype), f"{backend} weight on input", on_input=True)
 
 
-@pytest.mark.parametrize("path,dtype", [p for p in path_dtype_grid() if p.values[0] != "naive"])
-def test_one_and_two_threads_agree_exactly(path, dtype):
-    # Native paths only: naive uses torch's GEMMs, whose blocking (so rounding) depends on the thread count.
+@pytest.mark.parametrize("backend,dtype", [p for p in backend_dtype_grid() if p.values[0] != "naive"])
+def test_one_and_two_threads_agree_exactly(backend, dtype):
+    # Native backends only: naive uses torch's GEMMs, whose blocking (so rounding) depends on the thread count.
     p = make_problem(MoECase(M=65, H=128, I=96, E=16, k=4), dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = run(path, p)
+        one = run(backend, p)
         torch.set_num_threads(2)
-        two = run(path, p)
+        two = run(backend, p)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, two), f"{path}: results differ between 1 and 2 threads"
+    assert torch.equal(one, two), f"{backend}: results differ between 1 and 2 threads"
 
 
 def test_forward_routes_like_select_experts():
@@ -104,30 +104,30 @@ def test_ops_trace_under_compile():
     p = make_problem(MoECase(M=4, H=64, I=32, E=4, k=2), torch.bfloat16)
     layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2)
     if layer.backend == "naive":
-        pytest.skip("no native path on this CPU")
+        pytest.skip("no native backend on this CPU")
     args = (p.x, layer.prepared.w13, layer.prepared.w2, p.topk_weights, p.topk_ids)
-    kwargs = dict(path=layer.backend, activation="silu")
+    kwargs = dict(backend=layer.backend, activation="silu")
     assert_fake_matches(torch.ops.cpumoe.fused_experts.default, args, kwargs)
     torch.library.opcheck(torch.ops.cpumoe.pack_w13.default, (p.w13, layer.backend), test_utils=("test_faketensor",))
     compiled = torch.compile(lambda x, w, i: ops.fused_experts(x, args[1], args[2], w, i, **kwargs), fullgraph=True)
     torch.testing.assert_close(compiled(p.x, p.topk_weights, p.topk_ids), layer.experts(p.x, p.topk_weights, p.topk_ids))
 
 
-@pytest.mark.parametrize("path,dtype", path_dtype_grid())
-def test_empty_batch(path, dtype):
+@pytest.mark.parametrize("backend,dtype", backend_dtype_grid())
+def test_empty_batch(backend, dtype):
     p = make_problem(MoECase(M=3, H=64, I=32, E=4, k=2), dtype)
-    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2, backend=path)
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2, backend=backend)
     out = layer(p.x[:0], torch.zeros(0, 4))
     assert out.shape == (0, 64) and out.dtype == dtype
 
 
-@pytest.mark.parametrize("path,dtype", path_dtype_grid())
-def test_expert_reader_packs_like_whole_tensors(path, dtype):
+@pytest.mark.parametrize("backend,dtype", backend_dtype_grid())
+def test_expert_reader_packs_like_whole_tensors(backend, dtype):
     p = make_problem(MoECase(M=21, H=96, I=40, E=6, k=2), dtype, bias=True)
-    whole = cpumoe.FusedMoE(p.w13, p.w2, top_k=2, w13_bias=p.w13_bias, w2_bias=p.w2_bias, backend=path)
+    whole = cpumoe.FusedMoE(p.w13, p.w2, top_k=2, w13_bias=p.w13_bias, w2_bias=p.w2_bias, backend=backend)
     read = []
     streamed = cpumoe.FusedMoE(p.w13.to("meta"), p.w2.to("meta"), top_k=2, w13_bias=p.w13_bias, w2_bias=p.w2_bias,
-                               backend=path, expert_reader=lambda e: read.append(e) or (p.w13[e], p.w2[e]))
+                               backend=backend, expert_reader=lambda e: read.append(e) or (p.w13[e], p.w2[e]))
     assert sorted(read) == list(range(6))
     assert torch.equal(streamed.experts(p.x, p.topk_weights, p.topk_ids), whole.experts(p.x, p.topk_weights, p.topk_ids))
 

@@ -37,7 +37,7 @@ def huge_page_bytes(t: torch.Tensor) -> int:
 
 
 def packed_stacks(quant: str | None) -> dict[str, torch.Tensor]:
-    """w13 and w2 of a layer as its native path packs them."""
+    """w13 and w2 of a layer as its native backend packs them."""
     torch.manual_seed(0)
     E, H, I = 8, 1024, 512  # bf16: 8 x 3 MB; int4: 8 x 0.8 MB per stack
     w13 = torch.randn(E, 2 * I, H, dtype=torch.bfloat16) * H**-0.5
@@ -45,7 +45,7 @@ def packed_stacks(quant: str | None) -> dict[str, torch.Tensor]:
     kw = {} if quant is None else {"quant": quant}
     layer = cpumoe.FusedMoE(w13, w2, top_k=2, **kw)
     if layer.backend == "naive":
-        pytest.skip("the naive path keeps the checkpoint's tensors")
+        pytest.skip("the naive backend keeps the checkpoint's tensors")
     return {"w13": layer.prepared.w13, "w2": layer.prepared.w2}
 
 
@@ -76,7 +76,7 @@ def test_empty_packed_stack_keeps_the_record():
         stack2[e].copy_(ops.pack_w2(w2[e:e + 1].contiguous(), "generic")[0])
     x, tw, ti = torch.randn(3, 64), torch.full((3, 2), 0.5), torch.tensor([[0, 1]] * 3, dtype=torch.int32)
     whole = (ops.pack_w13(w13, "generic"), ops.pack_w2(w2, "generic"))
-    torch.testing.assert_close(ops.fused_experts(x, stack13, stack2, tw, ti, path="generic"),
-                               ops.fused_experts(x, *whole, tw, ti, path="generic"))
+    torch.testing.assert_close(ops.fused_experts(x, stack13, stack2, tw, ti, backend="generic"),
+                               ops.fused_experts(x, *whole, tw, ti, backend="generic"))
     with pytest.raises(ValueError, match="like is not a weight packed by cpumoe"):
         ops._C.empty_packed_stack(one13.clone(), 2)

@@ -20,8 +20,8 @@ def test_fused_moe_refuses_meta_weights_without_a_reader():
 @pytest.mark.parametrize("call, name", [
     (lambda x: torch.ops.cpumoe.fused_experts(x, _meta(4, 1, 4096), _meta(4, 1, 4096),
                                               torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32),
-                                              path="x86-avx512bf16", activation="silu"), "w13, w2"),
-    (lambda x: ops.linear(x, _meta(1, 4096), None, path="x86-avx512bf16", out_features=64), "w is"),
+                                              backend="x86-avx512bf16", activation="silu"), "w13, w2"),
+    (lambda x: ops.linear(x, _meta(1, 4096), None, backend="x86-avx512bf16", out_features=64), "w is"),
     (lambda x: ops.rms_norm(x, _meta(32), 1e-6), "weight is"),
     (lambda x: ops.decode_attention(x.view(3, 2, 16), _meta(4, 16, 2, 16), _meta(4, 16, 2, 16),
                                     torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, dtype=torch.long),
@@ -35,4 +35,4 @@ def test_ops_refuse_meta_weights_with_real_activations(call, name):
 def test_all_meta_still_traces():
     x = _meta(3, 32)
     assert ops.rms_norm(x, _meta(32), 1e-6).shape == (3, 32)
-    assert ops.linear(x, _meta(1, 4096), None, path="x86-avx512bf16", out_features=64).shape == (3, 64)
+    assert ops.linear(x, _meta(1, 4096), None, backend="x86-avx512bf16", out_features=64).shape == (3, 64)

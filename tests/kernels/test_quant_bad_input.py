@@ -1,11 +1,11 @@
-"""Quantized ops and layers given bad input raise errors that name the problem; the oracle says why each path
+"""Quantized ops and layers given bad input raise errors that name the problem; the oracle says why each backend
 refuses a quantized layer and falls through."""
 import pytest
 import torch
 
 import cpumoe
 from cpumoe import ops
-from cpumoe.experts import ExpertsConfig, choose_path, path_report
+from cpumoe.experts import ExpertsConfig, backend_report, choose_backend
 from cpumoe.quant import quantize
 
 
@@ -43,7 +43,7 @@ def test_op_checks_packed_weights(weights):
     p13, p2 = pack(w13, group_size=0), pack(w2, group_size=0, w13=False)
     x = torch.randn(3, 128, dtype=torch.bfloat16)
     tw, ti = torch.full((3, 1), 1.0), torch.zeros(3, 1, dtype=torch.int32)
-    kw = dict(path="generic", format="int8_w8a8", group_size=0)
+    kw = dict(backend="generic", format="int8_w8a8", group_size=0)
     assert ops.fused_experts_quant(x, p13, p2, tw, ti, **kw).shape == (3, 128)
     with pytest.raises(ValueError, match="width 64 but the experts were packed for hidden size 128"):
         ops.fused_experts_quant(x[:, :64].contiguous(), p13, p2, tw, ti, **kw)  # packed for H=128, given 64
@@ -54,9 +54,9 @@ def test_op_checks_packed_weights(weights):
     with pytest.raises(ValueError, match="packed w13 must be the uint8 blocks"):
         ops.fused_experts_quant(x, p13.view(torch.int8), p2, tw, ti, **kw)
     with pytest.raises(ValueError, match="fp8_w8a16 takes bfloat16 activations"):
-        ops.fused_experts_quant(x.float(), p13, p2, tw, ti, path="generic", format="fp8_w8a16", group_size=128)
-    with pytest.raises(RuntimeError, match="kernel path 'x86-avx512' cannot run int8_w8a8"):
-        ops.fused_experts_quant(x, p13, p2, tw, ti, path="x86-avx512", format="int8_w8a8", group_size=0)
+        ops.fused_experts_quant(x.float(), p13, p2, tw, ti, backend="generic", format="fp8_w8a16", group_size=128)
+    with pytest.raises(RuntimeError, match="kernel backend 'x86-avx512' cannot run int8_w8a8"):
+        ops.fused_experts_quant(x, p13, p2, tw, ti, backend="x86-avx512", format="int8_w8a8", group_size=0)
     with pytest.raises(ValueError, match="topk_ids holds expert id 9"):
         ops.fused_experts_quant(x, p13, p2, tw, torch.full((3, 1), 9, dtype=torch.int32), **kw)
 
@@ -72,14 +72,14 @@ def test_layer_checks(weights):
         layer(torch.zeros(2, 128), torch.zeros(2, 4))
 
 
-def test_every_path_says_why_and_the_oracle_falls_through():
+def test_every_backend_says_why_and_the_oracle_falls_through():
     fp8_fp16 = ExpertsConfig(hidden_size=128, inter_size=64, num_experts=4, top_k=1, dtype=torch.float16,
                              quantization="fp8_w8a16", group_size=128)
-    report = {name: (ok, why) for name, ok, why in path_report(fp8_fp16)}
+    report = {name: (ok, why) for name, ok, why in backend_report(fp8_fp16)}
     assert report["generic"] == (False, "fp8_w8a16 takes bfloat16 activations, not torch.float16")
     assert report["x86-avx512"][0] is False and "has no fp8_w8a16 tiles" in report["x86-avx512"][1] \
         or "not built" in report["x86-avx512"][1]
-    assert choose_path(fp8_fp16).name == "naive"  # dequantizes at load: the last resort, logged with the reasons
+    assert choose_backend(fp8_fp16).name == "naive"  # dequantizes at load: the last resort, logged with the reasons
     int8 = ExpertsConfig(hidden_size=128, inter_size=64, num_experts=4, top_k=1, dtype=torch.bfloat16,
                          quantization="int8_w8a8", group_size=0)
-    assert choose_path(int8).name != "naive"
+    assert choose_backend(int8).name != "naive"

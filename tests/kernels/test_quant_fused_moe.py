@@ -1,11 +1,11 @@
-"""Every kernel path that runs a quantized format, against cpumoe.reference.quantized_fused_experts, over shape,
-group, activation and routing grids. Paths come from the registry, so a new ISA unit is covered as it lands."""
+"""Every kernel backend that runs a quantized format, against cpumoe.reference.quantized_fused_experts, over shape,
+group, activation and routing grids. Backends come from the registry, so a new ISA unit is covered as it lands."""
 import pytest
 import torch
 
 import cpumoe
 from cpumoe import reference
-from cpumoe.experts import ExpertsConfig, all_paths
+from cpumoe.experts import ExpertsConfig, all_backends
 from cpumoe.quant import QuantFormat, quantize
 from tests.kernels.moe_cases import MoECase, make_problem
 from tests.kernels.tolerances import assert_quant_close
@@ -23,9 +23,9 @@ SCHEMES = [
 ]
 
 
-def native_paths_for(fmt: str, dtype: torch.dtype) -> list[str]:
+def native_backends_for(fmt: str, dtype: torch.dtype) -> list[str]:
     config = ExpertsConfig(hidden_size=64, inter_size=32, num_experts=2, top_k=1, dtype=dtype, quantization=fmt)
-    return [p.name for p in all_paths() if p.name != "naive" and p.is_supported(config)[0]]
+    return [p.name for p in all_backends() if p.name != "naive" and p.is_supported(config)[0]]
 
 
 def scheme_id(fmt, group, sym):
@@ -39,9 +39,10 @@ def grid(dtypes=(torch.bfloat16, torch.float32)):
         for dtype in dtypes:
             if not QuantFormat(fmt).int8_activations and dtype != torch.bfloat16:
                 continue
-            for path in native_paths_for(fmt, dtype):
-                out.append(pytest.param(path, fmt, group, sym, dtype,
-                                        id=f"{path}-{scheme_id(fmt, group, sym)}-{str(dtype).removeprefix('torch.')}"))
+            for backend in native_backends_for(fmt, dtype):
+                dtype_id = str(dtype).removeprefix("torch.")
+                out.append(pytest.param(backend, fmt, group, sym, dtype,
+                                        id=f"{backend}-{scheme_id(fmt, group, sym)}-{dtype_id}"))
     return out
 
 
@@ -61,7 +62,7 @@ def quantized(p, fmt, group, sym):
     return quantize(p.w13, fmt, group_size, **kw), quantize(p.w2, fmt, group_size, **kw)
 
 
-def check(path, fmt, group, sym, dtype, p, msg, *, activation="silu", expert_map=None, num_experts=None,
+def check(backend, fmt, group, sym, dtype, p, msg, *, activation="silu", expert_map=None, num_experts=None,
           on_input=False):
     E, two_i, H = p.w13.shape
     if not fits(MoECase(M=1, H=H, I=two_i // 2, E=E, k=1), fmt, group):
@@ -70,8 +71,8 @@ def check(path, fmt, group, sym, dtype, p, msg, *, activation="silu", expert_map
     layer = cpumoe.FusedMoE.from_quantized(w13, w2, top_k=p.topk_ids.shape[1], dtype=dtype, activation=activation,
                                            w13_bias=p.w13_bias, w2_bias=p.w2_bias, expert_map=expert_map,
                                            num_experts=num_experts, apply_router_weight_on_input=on_input,
-                                           backend=path)
-    assert layer.backend == path and layer.quantization == fmt
+                                           backend=backend)
+    assert layer.backend == backend and layer.quantization == fmt
     out = layer.experts(p.x, p.topk_weights, p.topk_ids)
     ref = reference.quantized_fused_experts(p.x, w13, w2, p.topk_weights, p.topk_ids, activation=activation,
                                             w13_bias=p.w13_bias, w2_bias=p.w2_bias, expert_map=expert_map,
@@ -90,44 +91,44 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("path,fmt,group,sym,dtype", grid())
+@pytest.mark.parametrize("backend,fmt,group,sym,dtype", grid())
 @pytest.mark.parametrize("case", SHAPES, ids=lambda c: c.id)
-def test_shapes(path, fmt, group, sym, dtype, case):
-    check(path, fmt, group, sym, dtype, make_problem(case, dtype), f"{path} {fmt} g{group} {case.id}")
+def test_shapes(backend, fmt, group, sym, dtype, case):
+    check(backend, fmt, group, sym, dtype, make_problem(case, dtype), f"{backend} {fmt} g{group} {case.id}")
 
 
-@pytest.mark.parametrize("path,fmt,group,sym,dtype", grid(dtypes=(torch.bfloat16,)))
+@pytest.mark.parametrize("backend,fmt,group,sym,dtype", grid(dtypes=(torch.bfloat16,)))
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "swigluoai"])
-def test_activations_with_bias(path, fmt, group, sym, dtype, activation):
+def test_activations_with_bias(backend, fmt, group, sym, dtype, activation):
     case = MoECase(M=17, H=256, I=128, E=8, k=2)
-    check(path, fmt, group, sym, dtype, make_problem(case, dtype, bias=True), f"{path} {fmt} {activation}",
+    check(backend, fmt, group, sym, dtype, make_problem(case, dtype, bias=True), f"{backend} {fmt} {activation}",
           activation=activation)
 
 
-@pytest.mark.parametrize("path,fmt,group,sym,dtype", grid(dtypes=(torch.bfloat16,)))
-def test_skewed_routing_and_expert_map(path, fmt, group, sym, dtype):
+@pytest.mark.parametrize("backend,fmt,group,sym,dtype", grid(dtypes=(torch.bfloat16,)))
+def test_skewed_routing_and_expert_map(backend, fmt, group, sym, dtype):
     case = MoECase(M=40, H=256, I=128, E=8, k=2)
     skewed = torch.stack([torch.zeros(40, dtype=torch.int32), torch.arange(40, dtype=torch.int32) % 8], dim=1)
     skewed[:, 1] = torch.where(skewed[:, 1] == 0, 1, skewed[:, 1])  # no token picks expert 0 twice
-    check(path, fmt, group, sym, dtype, make_problem(case, dtype, topk_ids=skewed), f"{path} {fmt} skewed")
+    check(backend, fmt, group, sym, dtype, make_problem(case, dtype, topk_ids=skewed), f"{backend} {fmt} skewed")
     local = make_problem(MoECase(M=29, H=256, I=128, E=3, k=2), dtype)
     ids = torch.randint(0, 8, (29, 2), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
     ids[:, 1] = (ids[:, 0] + 1 + ids[:, 1] % 7) % 8
     local.topk_ids = ids
     expert_map = torch.full((8,), -1, dtype=torch.int32)
     expert_map[torch.tensor([1, 4, 6])] = torch.arange(3, dtype=torch.int32)
-    check(path, fmt, group, sym, dtype, local, f"{path} {fmt} expert_map", expert_map=expert_map, num_experts=8)
+    check(backend, fmt, group, sym, dtype, local, f"{backend} {fmt} expert_map", expert_map=expert_map, num_experts=8)
 
 
-@pytest.mark.parametrize("path,fmt,group,sym,dtype", grid(dtypes=(torch.bfloat16,)))
-def test_router_weight_on_input(path, fmt, group, sym, dtype):
+@pytest.mark.parametrize("backend,fmt,group,sym,dtype", grid(dtypes=(torch.bfloat16,)))
+def test_router_weight_on_input(backend, fmt, group, sym, dtype):
     case = MoECase(M=11, H=256, I=128, E=4, k=1)
-    check(path, fmt, group, sym, dtype, make_problem(case, dtype), f"{path} {fmt} on_input", on_input=True)
+    check(backend, fmt, group, sym, dtype, make_problem(case, dtype), f"{backend} {fmt} on_input", on_input=True)
 
 
-@pytest.mark.parametrize("path,fmt,group,sym,dtype", grid())
+@pytest.mark.parametrize("backend,fmt,group,sym,dtype", grid())
 @pytest.mark.parametrize("M,K,N", [(1, 128, 64), (5, 130, 70), (37, 2048, 256)], ids=lambda v: str(v))
-def test_linear(path, fmt, group, sym, dtype, M, K, N):
+def test_linear(backend, fmt, group, sym, dtype, M, K, N):
     from cpumoe.models.packed_linear import QuantizedLinear
     if not fits(MoECase(M=M, H=K, I=K, E=1, k=1), fmt, group):
         pytest.skip("group does not divide K")
@@ -136,21 +137,21 @@ def test_linear(path, fmt, group, sym, dtype, M, K, N):
     x = torch.randn(M, K, generator=g).to(dtype)
     kw = dict(symmetric=sym) if fmt == "int4_w4a16" else {}
     qw = quantize(w, fmt, K if group == 0 else group, **kw)
-    layer = QuantizedLinear(qw, has_bias=True, dtype=dtype, backend=path)
+    layer = QuantizedLinear(qw, has_bias=True, dtype=dtype, backend=backend)
     layer.bias = torch.nn.Parameter(torch.randn(N, generator=g).to(dtype), requires_grad=False)
-    assert layer.path == path
-    assert_quant_close(layer(x), reference.quantized_linear(x, qw, layer.bias), dtype, f"{path} {fmt} linear")
+    assert layer.backend == backend
+    assert_quant_close(layer(x), reference.quantized_linear(x, qw, layer.bias), dtype, f"{backend} {fmt} linear")
 
 
-@pytest.mark.parametrize("path", native_paths_for("int8_w8a8", torch.float32))
-def test_activation_rounding_ties_and_nan(path):
-    """The A8 row quantizer every path shares: ties round to even as torch.round, a row's largest value maps
+@pytest.mark.parametrize("backend", native_backends_for("int8_w8a8", torch.float32))
+def test_activation_rounding_ties_and_nan(backend):
+    """The A8 row quantizer every backend shares: ties round to even as torch.round, a row's largest value maps
     to 127, a zero row to zeros, and a NaN row gives NaN (its scale is NaN), never a crash or a finite lie."""
     from cpumoe.models.packed_linear import QuantizedLinear
     K = 40  # not a multiple of 32: the padded tail must not count
     w = torch.eye(K)
     qw = quantize(w, "int8_w8a8")  # per-channel scale 1/127 on an identity: exact
-    layer = QuantizedLinear(qw, has_bias=False, dtype=torch.float32, backend=path)
+    layer = QuantizedLinear(qw, has_bias=False, dtype=torch.float32, backend=backend)
     x = torch.zeros(3, K)
     x[0, :6] = torch.tensor([127.0, 0.5, 1.5, -2.5, 2.5, -0.5])
     x[0, 6:] = torch.arange(K - 6) * 3.5 - 60.0  # x.5 values of both signs: every tie is rounded to even

@@ -9,20 +9,20 @@ import pytest
 import torch
 
 from cpumoe import ops
-from tests.kernels.moe_cases import path_dtype_grid
+from tests.kernels.moe_cases import backend_dtype_grid
 
-PATH, DTYPE = next(p.values for p in path_dtype_grid() if p.values[0] != "naive")
+BACKEND, DTYPE = next(p.values for p in backend_dtype_grid() if p.values[0] != "naive")
 
 
 def _case(M: int = 5, N: int = 200, K: int = 96):
     g = torch.Generator().manual_seed(M * 31 + N)
     x = torch.randn(M, K, generator=g).to(DTYPE)
-    packed = ops.pack_linear((torch.randn(N, K, generator=g) / K**0.5).to(DTYPE), PATH)
+    packed = ops.pack_linear((torch.randn(N, K, generator=g) / K**0.5).to(DTYPE), BACKEND)
     return x, packed, N
 
 
 def _linear(x, packed, n):
-    return ops.linear(x, packed, None, path=PATH, out_features=n)
+    return ops.linear(x, packed, None, backend=BACKEND, out_features=n)
 
 
 @pytest.fixture

@@ -78,7 +78,7 @@ def test_loads_quantized_and_matches_dequantized_twin(quantized, source, tmp_pat
     model = load_model(path, dtype=torch.bfloat16)
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     if fmt != "mxfp4_w4a16":  # an MXFP4 checkpoint quantizes the experts only, as gpt-oss does
-        assert linears and all(m.format.value == fmt and m.path != "naive" for m in linears), name
+        assert linears and all(m.format.value == fmt and m.backend != "naive" for m in linears), name
     experts = [m.experts for m in model.modules() if isinstance(m, MoEBlock)]
     assert experts and all(e.quantization == fmt and e.backend != "naive" for e in experts), name
     twin = load_model(dequantized_twin(source, path, tmp_path / "twin"), dtype=torch.bfloat16)

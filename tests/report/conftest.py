@@ -58,9 +58,9 @@ def layer_metrics(shape: dict, tokens: int, impl: str, jitter: float, pct: bool 
     return metrics
 
 
-def layer_case(shape: dict, tokens: int, impl: str, fmt: str = "bf16", path: str = "x86-avx512bf16") -> dict:
-    return dict(preset="mixtral-8x7b", **shape, format=fmt, path=path if impl == "fused" else "naive", impl=impl,
-                tokens=tokens, threads=2)
+def layer_case(shape: dict, tokens: int, impl: str, fmt: str = "bf16", backend: str = "x86-avx512bf16") -> dict:
+    return dict(preset="mixtral-8x7b", **shape, format=fmt, backend=backend if impl == "fused" else "naive",
+                impl=impl, tokens=tokens, threads=2)
 
 
 def fill_study(db: ResultsDB) -> None:
@@ -79,14 +79,15 @@ def fill_study(db: ResultsDB) -> None:
                     continue
                 for _ in range(3 if shape == SKELETON else 1):
                     db.add("layer", case, layer_metrics(shape, tokens, impl, rng.uniform(0.9, 1.1)), **limits())
-    for tokens in TOKENS:   # a second fused path at the skeleton
-        db.add("layer", layer_case(SKELETON, tokens, "fused", path="x86-avx512"),
+    for tokens in TOKENS:   # a second fused backend at the skeleton
+        db.add("layer", layer_case(SKELETON, tokens, "fused", backend="x86-avx512"),
                layer_metrics(SKELETON, tokens, "fused", 1.3), **limits())
     for _ in range(2):
         db.add("layer", layer_case(SKELETON, 1, "fused"), layer_metrics(SKELETON, 1, "fused", rng.uniform(1, 2), False),
                bandwidth_gbs=20.0, mm_gflops=300.0, machine_facts=OTHER_MACHINE)
     db.add("layer", dict(layer_case(dict(hidden=2048, inter=768, experts=128, top_k=8), 1, "fused"),
-                         preset="qwen3-30b-a3b", format="int8"), {"message": "no path takes int8 here"}, status="error")
+                         preset="qwen3-30b-a3b", format="int8"), {"message": "no backend takes int8 here"},
+           status="error")
 
     model = dict(model="qwen3-4l", format="bf16", threads=2, layers=4, hidden=2048, inter=768, experts=128, top_k=8)
     points = [(b, 128, 128, impl) for b in TOKENS for impl in ("fused", "naive")]

@@ -58,7 +58,20 @@ def test_oom_and_error_cases_keep_their_status_and_reason(study):
     assert len(oom) == 8 and all(c.get("experts") == 64 for c in oom)
     assert "needs 22.5 GiB, 20.0 GiB available" == oom[0].message()
     (error,) = [c for c in cases if c.status == "error"]
-    assert error.message() == "no path takes int8 here" and error.stat("time_ms") is None
+    assert error.message() == "no backend takes int8 here" and error.stat("time_ms") is None
+
+
+def test_layer_rows_that_say_path_are_read_as_backend(tmp_path):
+    """Older databases' layer rows say "path": they fold into the same case as rows that say "backend"."""
+    new = layer_case(SKELETON, 1, "fused")
+    old = {("path" if k == "backend" else k): v for k, v in new.items()}
+    with ResultsDB(tmp_path / "old.db") as db:
+        db.add("layer", old, {"time_ms": 2.0})
+        db.add("layer", new, {"time_ms": 1.0})
+        rows = db.rows()
+    (case,) = group_cases(rows)
+    assert case.params == new and case.runs == 2
+    assert case.stat("time_ms").median == 1.5
 
 
 def test_skeleton_is_the_most_common_shape_and_axes_vary_one_parameter(study):

@@ -1,4 +1,6 @@
 """`cpumoe report`: the page, the exports, a chosen skeleton, and clear errors for bad input."""
+import csv
+
 import pytest
 
 from cpumoe.bench.results import ResultsDB
@@ -62,7 +64,7 @@ def test_plain_layer_runs_get_a_figure_per_shape_and_other_benches_say_they_have
         for preset, shape in (("qwen3-30b-a3b", dict(hidden=2048, inter=768, experts=128, top_k=8)),
                               ("olmoe-1b-7b", dict(hidden=2048, inter=1024, experts=64, top_k=8))):
             for tokens in (1, 8):
-                db.add("layer", dict(preset=preset, **shape, format="bf16", path="avx512_bf16", impl="fused",
+                db.add("layer", dict(preset=preset, **shape, format="bf16", backend="avx512_bf16", impl="fused",
                                      tokens=tokens, threads=2), layer_metrics(shape, tokens, "fused", 1.0),
                        bandwidth_gbs=40.0, mm_gflops=900.0)
     out = tmp_path / "out"
@@ -73,6 +75,27 @@ def test_plain_layer_runs_get_a_figure_per_shape_and_other_benches_say_they_have
     for bench in ("model", "serve", "experts", "prune"):
         section = page.split(f'<section id="{bench}">')[1].split("</section>")[0]
         assert "No rows for this bench in the database" in section and "<img" not in section
+
+
+def test_an_older_database_whose_layer_rows_say_path_still_renders(tmp_path):
+    from .conftest import layer_metrics
+
+    db_path = tmp_path / "old.db"
+    shape = dict(hidden=2048, inter=768, experts=128, top_k=8)
+    with ResultsDB(db_path) as db:
+        for tokens in (1, 8):
+            for impl, backend in (("fused", "x86-avx512bf16"), ("naive", "naive")):
+                db.add("layer", dict(preset="qwen3-30b-a3b", **shape, format="bf16", path=backend, impl=impl,
+                                     tokens=tokens, threads=2), layer_metrics(shape, tokens, impl, 1.0),
+                       bandwidth_gbs=40.0, mm_gflops=900.0)
+    out = tmp_path / "out"
+    assert main(["report", "--db", str(db_path), "--out", str(out)]) == 0
+    assert (out / "figures" / "layer-tokens-1.png").exists()
+    with (out / "csv" / "layer-all.csv").open(newline="") as f:
+        assert {r["backend"] for r in csv.DictReader(f)} == {"x86-avx512bf16", "naive"}
+    with (out / "csv" / "layer-speedup.csv").open(newline="") as f:   # fused and naive pair up despite the old key
+        assert [(r["tokens"], r["backend"]) for r in csv.DictReader(f)] == [("1", "x86-avx512bf16"),
+                                                                           ("8", "x86-avx512bf16")]
 
 
 def test_rows_that_lack_contract_fields_still_give_a_page(tmp_path):

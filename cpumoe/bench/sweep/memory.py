@@ -5,7 +5,7 @@ into the kernel's OOM killer.
 
 What a case needs is an estimate from its shape (no allocation):
     layer: the random weights in their float dtype (the layer bench keeps them while it packs), a quantized copy
-           (a byte per code plus scales) for quantized formats, the path's packed copy (cpumoe.bench.layer's own
+           (a byte per code plus scales) for quantized formats, the backend's packed copy (cpumoe.bench.layer's own
            case_nbytes), the quantizers' float32 temporaries, the input pool and a token's intermediate
            activations, the bandwidth probe's buffer and, from MM_FROM_TOKENS on, the side-by-side GEMM's operands
     model: the weights as loaded (the checkpoint's bytes, scaled to --dtype; the loader packs expert by expert, so

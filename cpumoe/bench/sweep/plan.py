@@ -27,22 +27,22 @@ class RunOptions:
 
 def layer_units(skeleton: LayerPreset, shapes: Sequence[Shape], formats: Sequence[str], impls: Sequence[str],
                 tokens: Sequence[int], options: RunOptions, group_size: int = 128) -> list[LayerUnit]:
-    """One unit per (shape, format, impl). The fused impl runs the path the oracle chooses for the shape and
+    """One unit per (shape, format, impl). The fused impl runs the backend the oracle chooses for the shape and
     format; when none can, the unit carries the refusal and records it as errors."""
     from cpumoe.bench.layer import experts_config, parse_weight_format
-    from cpumoe.experts import NoSupportedPath, choose_path
+    from cpumoe.experts import NoSupportedBackend, choose_backend
 
     units = []
     for shape, name, impl in itertools.product(shapes, formats, impls):
         fmt = parse_weight_format(name, group_size)
-        path, refusal = "naive", ""
+        backend, refusal = "naive", ""
         if impl == "fused":
             try:
-                path = choose_path(experts_config(shape.preset(skeleton), fmt)).name
-            except NoSupportedPath as e:
-                path, refusal = "none", str(e)
+                backend = choose_backend(experts_config(shape.preset(skeleton), fmt)).name
+            except NoSupportedBackend as e:
+                backend, refusal = "none", str(e)
         units.append(LayerUnit(skeleton=skeleton, shape=shape, format=name, group_size=group_size, impl=impl,
-                               path=path, tokens=tuple(tokens), threads=options.threads, quick=options.quick,
+                               backend=backend, tokens=tuple(tokens), threads=options.threads, quick=options.quick,
                                refusal=refusal))
     return units
 

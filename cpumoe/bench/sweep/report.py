@@ -72,12 +72,12 @@ def _status(o) -> str:
 def _layer_table(summary: SweepSummary) -> Table:
     table = Table(title="MoE layer sweep (quick timing unless --full; % of the read bandwidth and GEMM rate "
                         "measured beside each case)", title_justify="left")
-    for name in ("H", "I", "E", "k", "format", "path", "M", "ms", "GFLOP/s", "GB/s", "% bw", "% mm", "status"):
-        table.add_column(name, justify="left" if name in ("format", "path", "status") else "right", no_wrap=True)
+    for name in ("H", "I", "E", "k", "format", "backend", "M", "ms", "GFLOP/s", "GB/s", "% bw", "% mm", "status"):
+        table.add_column(name, justify="left" if name in ("format", "backend", "status") else "right", no_wrap=True)
     for o in summary.outcomes:
         c, m = o.case, o.metrics
         ok = o.status == "ok"
-        table.add_row(str(c["hidden"]), str(c["inter"]), str(c["experts"]), str(c["top_k"]), c["format"], c["path"],
+        table.add_row(str(c["hidden"]), str(c["inter"]), str(c["experts"]), str(c["top_k"]), c["format"], c["backend"],
                       str(c["tokens"]), f"{m['time_ms']:.3f}" if ok else "", f"{m['gflops']:.1f}" if ok else "",
                       f"{m['gbs']:.1f}" if ok else "", f"{m['pct_bandwidth']:.0f}%" if ok else "",
                       f"{m['pct_peak']:.0f}%" if ok else "", _status(o))

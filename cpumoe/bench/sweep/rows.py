@@ -1,7 +1,7 @@
 """Results-database rows of the `layer` and `model` benches: one place that says what a case and its metrics are,
 for the sweeps and for `cpumoe bench layer` / `cpumoe bench model` (record_layer_report, record_model_report).
 
-    layer case    {preset, hidden, inter, experts, top_k, format, path, impl, tokens, threads}
+    layer case    {preset, hidden, inter, experts, top_k, format, backend, impl, tokens, threads}
           metrics {time_ms, time_ms_min, time_ms_max, gflops, gbs, pct_bandwidth, pct_peak, flops, expert_bytes,
                    bytes_read, distinct_experts, repetitions, speedup_vs_naive, speedup_vs_bf16}
     model case    {model, format, batch, input_len, output_len, threads, impl, layers, hidden, inter, experts, top_k}
@@ -9,7 +9,7 @@ for the sweeps and for `cpumoe bench layer` / `cpumoe bench model` (record_layer
                    prefill_pct_peak, peak_rss_gb, decode_gbs, prefill_gflops, decode_experts_per_layer}
 
 format is "bf16", "fp32", "fp16", "int8", "int4", "fp8" or "mxfp4" (int4 and fp8 with a group other than the
-default 128 get "-g<size>"); expert_bytes is one expert's w13 + w2 as the path holds them, bytes_read the distinct
+default 128 get "-g<size>"); expert_bytes is one expert's w13 + w2 as the backend holds them, bytes_read the distinct
 experts' (what gbs divides). layers is null for a checkpoint run as it is (its own depth) and N for a synthetic
 checkpoint of N layers. A value not measured (decode of a 1-token output) is null. Each row carries the read
 bandwidth and GEMM rate its percentages are of.
@@ -37,8 +37,8 @@ def format_label(name: str, group_size: int | None = None) -> str:
     return short
 
 
-def impl_of(path: str) -> str:
-    return "naive" if path == "naive" else "fused"
+def impl_of(backend: str) -> str:
+    return "naive" if backend == "naive" else "fused"
 
 
 def _finite(value: float | None) -> float | None:
@@ -47,10 +47,10 @@ def _finite(value: float | None) -> float | None:
 
 # ---- layer ------------------------------------------------------------------------------------------------------
 
-def layer_case(*, preset: str, hidden: int, inter: int, experts: int, top_k: int, format: str, path: str,
+def layer_case(*, preset: str, hidden: int, inter: int, experts: int, top_k: int, format: str, backend: str,
                tokens: int, threads: int) -> dict[str, Any]:
-    return dict(preset=preset, hidden=hidden, inter=inter, experts=experts, top_k=top_k, format=format, path=path,
-                impl=impl_of(path), tokens=tokens, threads=threads)
+    return dict(preset=preset, hidden=hidden, inter=inter, experts=experts, top_k=top_k, format=format,
+                backend=backend, impl=impl_of(backend), tokens=tokens, threads=threads)
 
 
 def layer_metrics(result: dict, *, hidden: int, inter: int, top_k: int) -> dict[str, Any]:
@@ -71,7 +71,7 @@ def record_layer_report(db: ResultsDB, report: dict) -> list[int]:
     for r in report["results"]:
         case = layer_case(preset=layer["name"], hidden=layer["hidden"], inter=layer["inter"],
                           experts=layer["experts"], top_k=layer["top_k"],
-                          format=format_label(r["format"], groups.get(r["format"])), path=r["path"],
+                          format=format_label(r["format"], groups.get(r["format"])), backend=r["backend"],
                           tokens=r["tokens"], threads=machine["threads"])
         metrics = layer_metrics(r, hidden=layer["hidden"], inter=layer["inter"], top_k=layer["top_k"])
         ids.append(db.add("layer", case, metrics, bandwidth_gbs=r["bandwidth_gbs"], mm_gflops=r["mm_gflops"]))
@@ -157,7 +157,7 @@ def record_model_report(db: ResultsDB, report: dict, model_name: str | Sequence[
             continue
         m = described[index]
         case = model_case(model=m["name"], format=m["format"], batch=r["batch"], input_len=r["input_len"],
-                          output_len=r["output_len"], threads=report["threads"], impl=impl_of(r["path"]),
+                          output_len=r["output_len"], threads=report["threads"], impl=impl_of(r["backend"]),
                           layers=layers, shape=m["shape"])
         ids.append(db.add("model", case, model_metrics(r, m["weights"]), bandwidth_gbs=r["bandwidth_gbs"],
                           mm_gflops=r["mm_gflops"]))

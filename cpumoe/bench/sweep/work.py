@@ -85,11 +85,11 @@ def execute(unit: LayerUnit | ModelUnit, policy: MemoryPolicy = MemoryPolicy(),
 def _run_layer(unit: LayerUnit, on_case: Callable[[str], None]) -> Iterator[Outcome]:
     from cpumoe.bench import layer as lb
 
-    if unit.path == "none":
-        raise ValueError(f"no experts path can run this layer: {unit.refusal}")
+    if unit.backend == "none":
+        raise ValueError(f"no experts backend can run this layer: {unit.refusal}")
     preset = unit.preset
     fmt = lb.parse_weight_format(unit.format, unit.group_size)
-    cases, _ = lb.select_cases(preset, [fmt], [unit.path])
+    cases, _ = lb.select_cases(preset, [fmt], [unit.backend])
     machine = machine_info(unit.threads, fmt.dtype)
     by_tokens = {c["tokens"]: c for c in unit.cases()}
     for result in lb.run_cases(preset, cases, unit.tokens, machine, lb.reference_case(cases), quick=unit.quick,

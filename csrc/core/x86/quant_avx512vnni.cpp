@@ -8,7 +8,7 @@
 //         (g k) ends with tot += scale * (acc - zero * sum_G(a)) in f32; 4 rows (16 int32 + 16 f32 zmm).
 // Results are bit-identical to quant_generic's: the same float operations in the same order, none fused
 // (the file builds with -ffp-contract=off), so the per-token int8 re-quantization of the w13 output never
-// rounds differently from path to path (one flipped level costs ~1/127 of the row's largest value).
+// rounds differently from backend to backend (one flipped level costs ~1/127 of the row's largest value).
 // Decode tiles (1-2 rows) stream the block from memory with an L2 prefetch 4 KB ahead, as the dense bf16
 // tile does. Measured on one Xeon (Emerald Rapids) thread against the dense bf16 tile on the same shapes,
 // 1 row streaming 1 GB of Kp = 2048 blocks (bf16: 15 GB/s): int8 2.1x the rows per second, int4 g128 3.5x

@@ -13,7 +13,7 @@ from cpumoe.bench.sweep.runner import pending_units, run_sweep
 from cpumoe.cli import main
 from cpumoe.presets import get_preset
 
-LAYER_CASE = {"preset", "hidden", "inter", "experts", "top_k", "format", "path", "impl", "tokens", "threads"}
+LAYER_CASE = {"preset", "hidden", "inter", "experts", "top_k", "format", "backend", "impl", "tokens", "threads"}
 LAYER_METRICS = {"time_ms", "time_ms_min", "time_ms_max", "gflops", "gbs", "pct_bandwidth", "pct_peak", "flops",
                  "expert_bytes"}
 
@@ -33,7 +33,7 @@ def test_layer_sweep_rows_and_rerun(tmp_path, capsys, tiny_layer_args):
         for r in rows:
             assert set(r.case) == LAYER_CASE and LAYER_METRICS <= set(r.metrics), r
             assert r.case["format"] == "bf16" and r.case["threads"] == 1 and r.case["preset"] == "qwen3-30b-a3b"
-            assert r.case["impl"] == ("naive" if r.case["path"] == "naive" else "fused")
+            assert r.case["impl"] == ("naive" if r.case["backend"] == "naive" else "fused")
             m = r.metrics
             assert m["time_ms_min"] <= m["time_ms"] <= m["time_ms_max"] and m["gflops"] > 0 and m["gbs"] > 0
             assert m["flops"] == 2 * r.case["tokens"] * r.case["top_k"] * 3 * r.case["hidden"] * r.case["inter"]
@@ -130,7 +130,7 @@ def test_units_and_pending():
                         RunOptions(threads=2))
     assert [(u.format_label, u.impl) for u in units] == [("bf16", "fused"), ("bf16", "naive"), ("int8", "fused"),
                                                          ("int8", "naive")]
-    assert all(isinstance(u, LayerUnit) and u.path != "none" for u in units)
+    assert all(isinstance(u, LayerUnit) and u.backend != "none" for u in units)
     todo, skipped, total = pending_units(units + units, None)   # the same cases twice run once
     assert (len(todo), skipped, total) == (4, 0, 8)
     json.dumps([c for u in units for c in u.cases()])   # case dicts are JSON

@@ -35,7 +35,7 @@ def test_record_layer_report(tmp_path):
         rows = db.rows("layer")
         assert len(ids) == len(report["results"]) == len(rows)
         for r, result in zip(rows, report["results"]):
-            assert r.case["tokens"] == result["tokens"] and r.case["path"] == result["path"]
+            assert r.case["tokens"] == result["tokens"] and r.case["backend"] == result["backend"]
             assert r.case["format"] in ("bf16", "int4-g32") and r.case["threads"] == 1
             assert r.metrics["time_ms"] == result["ms"] and r.metrics["pct_peak"] == result["peak_pct"]
             assert r.bandwidth_gbs == result["bandwidth_gbs"]

@@ -1,12 +1,12 @@
-// Runs cpumoe::fused_moe without PyTorch, so the Arm kernel paths can be tested under qemu-aarch64
+// Runs cpumoe::fused_moe without PyTorch, so the Arm kernel backends can be tested under qemu-aarch64
 // (tests/kernels/arm/test_arm_qemu.py builds it statically with the cross compiler).
 //
-//   driver                prints the CPU features, every kernel path with whether it can run here, and the
+//   driver                prints the CPU features, every kernel backend with whether it can run here, and the
 //                         tiles (dense, quantized formats) of each that can
 //   driver CASE_DIR...    the same, then runs each case: reads CASE_DIR/meta.txt and the arrays beside it,
-//                         packs the weights for the case's kernel path, writes CASE_DIR/out.bin
+//                         packs the weights for the case's kernel backend, writes CASE_DIR/out.bin
 //
-// meta.txt has one "key value" per line: kernel (a path name), dtype (float32, bfloat16, float16),
+// meta.txt has one "key value" per line: kernel (a backend name), dtype (float32, bfloat16, float16),
 // activation (silu, gelu, gelu_tanh, swigluoai), M, H, I, E (experts in the weights), topk,
 // global_experts (range of topk_ids), and 0/1 flags w13_bias, w2_bias, expert_map, router_weight_on_input.
 // Arrays are raw little-endian, row-major:
@@ -19,7 +19,7 @@
 // key_begin.bin, key_end.bin [S] (int64), sinks.bin [nh] f32 -> out.bin [S][nh][dv] dtype.
 // Quantized cases add quant (int8_w8a8, int4_w4a16, ...: a format name) and group13, group2 (int4 group of
 // w13 and w2; 0 = a whole row), and replace w13.bin / w2.bin with the canonical cpumoe.quant.QuantizedWeight
-// tensors, packed here with quant_pack (as cpumoe/ops.py pack_quant does) and run on the path's tiles:
+// tensors, packed here with quant_pack (as cpumoe/ops.py pack_quant does) and run on the backend's tiles:
 //   w13_codes.bin [E][2I][H] and w2_codes.bin [E][H][I] (one byte per code), w13_scales.bin, w2_scales.bin
 //   (f32 [E][N], int8, or [E][N][K/g]), and for asymmetric int4 (flag zeros) w13_zeros.bin, w2_zeros.bin
 //   (u8, the scales' shape).
@@ -166,8 +166,8 @@ void write_out(const std::string& path, const Guarded<char>& out, const std::str
   if (!f) throw std::runtime_error("cannot write " + path);
 }
 
-// An "op attention" case: decode attention on the path that runs it here (attention_kernel), printed as
-// "attention PATH".
+// An "op attention" case: decode attention on the backend that runs it here (attention_kernel), printed as
+// "attention BACKEND".
 void run_attention(const std::string& dir, const Meta& meta, const Parallel& parallel) {
   auto path = [&](const char* name) { return dir + "/" + name; };
   DecodeAttentionArgs a;
@@ -218,7 +218,7 @@ void run_case(const std::string& dir, const Parallel& parallel) {
     const QuantFormat f = parse_format(meta.str("quant"));
     a.quant = find_quant_kernel(meta.str("kernel"), f, &why);
     if (!a.quant)
-      throw std::runtime_error("kernel path '" + meta.str("kernel") + "' cannot run " + quant_format_name(f) + ": " + why);
+      throw std::runtime_error("kernel backend '" + meta.str("kernel") + "' cannot run " + quant_format_name(f) + ": " + why);
     a.format = f;
     const bool zeros = meta.flag("zeros");
     const QuantPackedShape s13 =
@@ -231,7 +231,7 @@ void run_case(const std::string& dir, const Parallel& parallel) {
     a.w2 = w2_quant.data();
   } else {
     const KernelTable* kt = find_kernel(meta.str("kernel"), &why);
-    if (!kt) throw std::runtime_error("kernel path '" + meta.str("kernel") + "' cannot run here: " + why);
+    if (!kt) throw std::runtime_error("kernel backend '" + meta.str("kernel") + "' cannot run here: " + why);
     if (!kt->supports(dtype)) throw std::runtime_error(std::string(kt->name) + " does not take " + dtype_name(dtype));
     const std::vector<char> w13 = read_array(path("w13.bin"), E * 2 * I * H * es);
     const std::vector<char> w2 = read_array(path("w2.bin"), E * H * I * es);
@@ -284,8 +284,8 @@ int main(int argc, char** argv) {
   std::printf("features:");
   for (const std::string& f : cpumoe::cpu_features()) std::printf(" %s", f.c_str());
   std::printf("\n");
-  for (const cpumoe::KernelInfo& k : cpumoe::kernel_paths()) {
-    std::printf("path %s: %s\n", k.name.c_str(), k.unavailable.empty() ? "available" : ("unavailable, " + k.unavailable).c_str());
+  for (const cpumoe::KernelInfo& k : cpumoe::kernel_backends()) {
+    std::printf("backend %s: %s\n", k.name.c_str(), k.unavailable.empty() ? "available" : ("unavailable, " + k.unavailable).c_str());
     if (!k.unavailable.empty()) continue;
     std::printf("tiles %s:%s", k.name.c_str(), k.table ? " dense" : "");
     for (int f = 0; f < cpumoe::kNumQuantFormats; ++f)

@@ -5,7 +5,7 @@
 // Kp 32, 96, 2048, int4 groups 32, 64, 128 and Kp where they divide Kp (mxfp4: 32), the four activations, bias and
 // row_scale on and off, a w2 right edge (out_cols < 64). Outputs are written with a row stride wider
 // than the tile, the gap filled with a sentinel that must survive. Cross-compiled with the Arm units and
-// run under qemu-aarch64 by test_arm_qemu.py; prints one line per (path, format, Kp, g) with the largest
+// run under qemu-aarch64 by test_arm_qemu.py; prints one line per (backend, format, Kp, g) with the largest
 // error relative to the largest |reference| of its tile, and exits 1 when one is over the tolerance.
 //
 //   quant_tiles [TOL]        TOL: relative tolerance (default 1e-5)
@@ -173,7 +173,7 @@ void check(Result& res, double tol, const std::string& what, const Guarded<float
 const Activation kActs[] = {Activation::kSilu, Activation::kGelu, Activation::kGeluTanh, Activation::kSwigluOai};
 
 // Every row count, activation, bias / row_scale combination for one block shape.
-void run_shape(Result& res, double tol, std::mt19937& rng, const char* path, const QuantKernel& qk, QuantFormat f,
+void run_shape(Result& res, double tol, std::mt19937& rng, const char* backend, const QuantKernel& qk, QuantFormat f,
                int64_t Kp, int64_t g) {
   const std::vector<uint8_t> block = make_block(rng, f, Kp, g);
   std::vector<float> bias(64), row_scale(9);
@@ -192,7 +192,7 @@ void run_shape(Result& res, double tol, std::mt19937& rng, const char* path, con
     t.b = block.data();
     t.dtype = DType::kFloat32;
     t.group = g;
-    const std::string base = std::string(path) + " " + quant_format_name(f) + " Kp=" + std::to_string(Kp) +
+    const std::string base = std::string(backend) + " " + quant_format_name(f) + " Kp=" + std::to_string(Kp) +
                              " g=" + std::to_string(g) + " rows=" + std::to_string(rows);
     for (Activation act : kActs)
       for (bool with_bias : {false, true}) {
@@ -236,17 +236,17 @@ void run_shape(Result& res, double tol, std::mt19937& rng, const char* path, con
 
 int main(int argc, char** argv) {
   const double tol = argc > 1 ? std::atof(argv[1]) : 1e-5;
-  struct Path {
+  struct Backend {
     const char* name;
     const QuantKernel* (*quant)(QuantFormat);
     const char* feature;
   };
-  const Path paths[] = {{"arm-i8mm", quant_arm_i8mm, "i8mm"},
-                        {"arm-dotprod", quant_arm_dotprod, "asimddp"},
-                        {"generic", [](QuantFormat f) { return &quant_generic(f); }, nullptr}};
+  const Backend backends[] = {{"arm-i8mm", quant_arm_i8mm, "i8mm"},
+                             {"arm-dotprod", quant_arm_dotprod, "asimddp"},
+                             {"generic", [](QuantFormat f) { return &quant_generic(f); }, nullptr}};
   std::mt19937 rng(20240601);
   int failures = 0;
-  for (const Path& p : paths) {
+  for (const Backend& p : backends) {
     if (p.feature && !cpu_has(p.feature)) {
       std::printf("%s: skipped, CPU lacks %s\n", p.name, p.feature);
       continue;

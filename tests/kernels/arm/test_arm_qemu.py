@@ -1,4 +1,4 @@
-# The Arm kernel paths (arm-neon, arm-bfmmla, the quantized ones, and decode attention) against the references,
+# The Arm kernel backends (arm-neon, arm-bfmmla, the quantized ones, and decode attention) against the references,
 # run under qemu-aarch64 on any host:
 # the PyTorch-free core and driver.cpp are cross-compiled once per module into a static binary, each case's
 # inputs (tests/kernels/moe_cases.py) are written as raw arrays, and the driver's output is held to the
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from cpumoe import reference
-from cpumoe.models.blocks import decode_attention_reference
+from cpumoe.attention import decode_attention_reference
 from tests.kernels.moe_cases import MoECase, MoEProblem, make_problem
 from tests.kernels.test_decode_attention import CASES as ATTENTION_CASES
 from tests.kernels.test_decode_attention import make_case as make_attention_case
@@ -85,38 +85,38 @@ def driver(binaries) -> Path:
     return binaries["driver"]
 
 
-def _paths(driver: Path, cpu: str) -> dict[str, str]:
-    """{path name: "available" | "unavailable, <why>"} as the driver reports them on qemu's `cpu` model."""
+def _backends(driver: Path, cpu: str) -> dict[str, str]:
+    """{backend name: "available" | "unavailable, <why>"} as the driver reports them on qemu's `cpu` model."""
     out = _run([QEMU, "-cpu", cpu, str(driver)], f"driver on -cpu {cpu}")
-    return dict(re.findall(r"^path (\S+): (.*)$", out, flags=re.M))
+    return dict(re.findall(r"^backend (\S+): (.*)$", out, flags=re.M))
 
 
 def _tiles(driver: Path, cpu: str) -> dict[str, list[str]]:
-    """{path name: its tiles ("dense" and quantized format names)} for the paths that can run on `cpu`."""
+    """{backend name: its tiles ("dense" and quantized format names)} for the backends that can run on `cpu`."""
     out = _run([QEMU, "-cpu", cpu, str(driver)], f"driver on -cpu {cpu}")
     return {name: tiles.split() for name, tiles in re.findall(r"^tiles (\S+):(.*)$", out, flags=re.M)}
 
 
-def test_paths_available_on_cpu_max(driver):
-    paths = _paths(driver, "max")
+def test_backends_available_on_cpu_max(driver):
+    backends = _backends(driver, "max")
     for name in ("arm-bfmmla", "arm-i8mm", "arm-dotprod", "arm-neon"):
-        assert paths[name] == "available", paths
+        assert backends[name] == "available", backends
     tiles = _tiles(driver, "max")
     assert tiles["arm-i8mm"] == tiles["arm-dotprod"] == ["int8_w8a8", "int4_w4a16", "mxfp4_w4a16"], tiles
 
 
 def test_bfmmla_unavailable_without_bf16(driver):
-    paths = _paths(driver, "cortex-a57")  # Armv8.0: NEON only
-    assert "CPU lacks bf16" in paths["arm-bfmmla"], paths
-    assert "CPU lacks i8mm" in paths["arm-i8mm"], paths
-    assert "CPU lacks asimddp" in paths["arm-dotprod"], paths
-    assert paths["arm-neon"] == "available", paths
+    backends = _backends(driver, "cortex-a57")  # Armv8.0: NEON only
+    assert "CPU lacks bf16" in backends["arm-bfmmla"], backends
+    assert "CPU lacks i8mm" in backends["arm-i8mm"], backends
+    assert "CPU lacks asimddp" in backends["arm-dotprod"], backends
+    assert backends["arm-neon"] == "available", backends
 
 
 def test_i8mm_unavailable_on_dotprod_cpu(driver):
-    paths = _paths(driver, "cortex-a76")  # Armv8.2 + dotprod, no i8mm or bf16
-    assert "CPU lacks i8mm" in paths["arm-i8mm"], paths
-    assert paths["arm-dotprod"] == "available", paths
+    backends = _backends(driver, "cortex-a76")  # Armv8.2 + dotprod, no i8mm or bf16
+    assert "CPU lacks i8mm" in backends["arm-i8mm"], backends
+    assert backends["arm-dotprod"] == "available", backends
 
 
 @pytest.mark.parametrize("cpu", ["max", "cortex-a76"])
@@ -211,7 +211,7 @@ def test_fused_moe_matches_reference(driver, tmp_path, kernel, dtype, case):
 
 # ---- quantized weights: canonical cpumoe.quant tensors packed by the driver (quant_pack.cpp) ----
 
-QUANT_PATHS = ["arm-i8mm", "arm-dotprod", "generic"]
+QUANT_BACKENDS = ["arm-i8mm", "arm-dotprod", "generic"]
 # Errors relative to the largest |reference| (as assert_moe_close measures them). The reference quantizes the
 # activations as the kernels do, so what differs is float32 summation order, and through it an intermediate
 # value that lands on the other side of an int8 rounding boundary now and then (one code step of one row,
@@ -276,7 +276,7 @@ def _write_quant_case(directory: Path, kernel: str, qc: QuantCase, p: MoEProblem
 
 
 @pytest.mark.parametrize("qc", QUANT_CASES, ids=str)
-@pytest.mark.parametrize("kernel", QUANT_PATHS)
+@pytest.mark.parametrize("kernel", QUANT_BACKENDS)
 def test_fused_moe_quant_matches_reference(driver, tmp_path, kernel, qc):
     p, expert_map = _problem(qc.case, qc.dtype)
     w13q, w2q = _quantize(p.w13, qc), _quantize(p.w2, qc)
@@ -292,7 +292,7 @@ def test_fused_moe_quant_matches_reference(driver, tmp_path, kernel, qc):
                                msg=lambda m: f"{kernel} {qc}: {m}")
 
 
-# ---- decode attention: the path attention_kernel() picks on Arm, over the cases of test_decode_attention.py ----
+# ---- decode attention: the backend attention_kernel() picks on Arm, over the cases of test_decode_attention.py ----
 
 def _write_attention_case(directory: Path, dtype: torch.dtype, q, k_cache, v_cache, batch, sink, scale) -> None:
     S, nh, d = q.shape
