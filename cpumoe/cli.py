@@ -1,7 +1,7 @@
 """The `cpumoe` command.
 
-    cpumoe info [--preset P] [--dtype bf16] [--quant int8,..]  this CPU, the experts paths, which one a layer gets
-    cpumoe bench layer --preset P --tokens 1,8,.. [--dtype bf16,int8,..]  time one MoE layer per format and path
+    cpumoe info [--preset P] [--dtype bf16] [--quant int8,..]  this CPU, the experts backends, which one a layer gets
+    cpumoe bench layer --preset P --tokens 1,8,.. [--dtype bf16,int8,..]  time one MoE layer per format and backend
     cpumoe make-model --preset P --layers N --out D  write a synthetic Hugging Face checkpoint of a real model
     cpumoe quantize SRC DST --format F [--layout L]  a float checkpoint -> a public quantized layout
     cpumoe generate MODEL --prompt TEXT [--chat]    stream a completion from a local checkpoint, then tokens/s
@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cpumoe.bench.results import add_db_arguments
-from cpumoe.cli_args import names, positive_ints
+from cpumoe.cli_args import names, positive_ints, stdout_console, weight_formats
 from cpumoe.engine.config import EngineConfig
 from cpumoe.server import limits
 
@@ -75,20 +75,6 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _weight_formats(text: str) -> list[str]:
-    """A comma list of bf16/fp32/fp16 and quantized formats (aliases or full names), checked, in order."""
-    from cpumoe.bench.layer import parse_weight_format
-    formats = names(text)
-    if not formats:
-        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes, got {text!r}")
-    for name in formats:
-        try:
-            parse_weight_format(name)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return formats
-
-
 def _quant_formats(text: str) -> list[str]:
     from cpumoe.quant import parse_format
     try:
@@ -111,15 +97,10 @@ SPECULATIVE_HELP = ('speculative decoding, as vLLM\'s flag takes it: \'{"method"
                     '"prompt_lookup_max": 3}\' or \'{"method": "draft", "model": DIR, "num_speculative_tokens": 4}\'')
 
 
-def _console() -> Console:
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
-
-
 # ---- cpumoe info ------------------------------------------------------------------------------------------------
 
 def _add_info(commands) -> None:
-    p = commands.add_parser("info", help="this CPU, the experts paths, and which one a layer gets")
+    p = commands.add_parser("info", help="this CPU, the experts backends, and which one a layer gets")
     p.add_argument("--preset", type=_preset, default=DEFAULT_PRESET, help=f"layer preset (default {DEFAULT_PRESET})")
     p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="bf16 (default), fp32 or fp16")
     p.add_argument("--quant", type=_quant_formats, default=None,
@@ -133,43 +114,43 @@ def _cmd_info(args) -> int:
     from cpumoe import __version__, ops
     from cpumoe.bench.layer import experts_config
     from cpumoe.bench.machine import cpu_model
-    from cpumoe.experts import all_paths, choose_path, path_report
+    from cpumoe.experts import all_backends, backend_report, choose_backend
 
-    console = _console()
+    console = stdout_console()
     console.print(f"[bold]cpumoe[/] {__version__}   torch {torch.__version__}   threads {torch.get_num_threads()} "
                   f"(kernels on cpumoe's worker pool; torch's ops on OpenMP, GOMP_SPINCOUNT "
                   f"{os.environ.get('GOMP_SPINCOUNT', 'unset')})")
     console.print(f"[bold]CPU[/] {cpu_model()}")
     console.print(f"[bold]features[/] {' '.join(ops.cpu_features()) or '(none detected)'}")
-    console.print(_paths_table(all_paths()))
-    attention = ops.attention_paths()
-    console.print(f"[bold]decode attention[/] runs on [bold]{attention[0]}[/] (the first path with an attention "
+    console.print(_backends_table(all_backends()))
+    attention = ops.attention_backends()
+    console.print(f"[bold]decode attention[/] runs on [bold]{attention[0]}[/] (the first backend with an attention "
                   f"kernel; candidates here: {', '.join(attention)})")
 
     preset, dtype = args.preset, args.dtype
     config = experts_config(preset, dtype)
-    chosen = choose_path(config).name
+    chosen = choose_backend(config).name
     console.print(f"\n[bold]{preset.name}[/] H={preset.hidden} I={preset.inter} E={preset.experts} k={preset.top_k} "
                   f"{str(dtype).removeprefix('torch.')} {preset.activation}: the oracle chooses [bold]{chosen}[/]")
-    console.print(_choice_table(path_report(config), chosen))
+    console.print(_choice_table(backend_report(config), chosen))
     return _info_quantized(console, preset, args.quant, args.group_size)
 
 
 def _info_quantized(console: Console, preset, format_names: list[str] | None, group_size: int) -> int:
-    """For each quantized format (bf16 activations): the oracle's choice for the layer and every path's reason."""
+    """For each quantized format (bf16 activations): the oracle's choice for the layer and every backend's reason."""
     from cpumoe.bench.layer import check_format, experts_config, parse_weight_format
-    from cpumoe.experts import NoSupportedPath, all_paths, choose_path, path_report
+    from cpumoe.experts import NoSupportedBackend, all_backends, backend_report, choose_backend
     from cpumoe.quant import QuantFormat
 
     if group_size < 1:
         sys.exit("cpumoe info: error: --group-size must be positive")
     formats = [parse_weight_format(name, group_size) for name in (format_names or [f.value for f in QuantFormat])]
-    table = Table(title=f"{preset.name}, quantized weights over bf16 activations: every path's verdict",
+    table = Table(title=f"{preset.name}, quantized weights over bf16 activations: every backend's verdict",
                   title_justify="left")
-    table.add_column("path", no_wrap=True)
+    table.add_column("backend", no_wrap=True)
     for fmt in formats:
         table.add_column(fmt.name)
-    verdicts: dict[str, list[str]] = {p.name: [] for p in all_paths()}
+    verdicts: dict[str, list[str]] = {p.name: [] for p in all_backends()}
     for fmt in formats:
         try:
             check_format(preset, fmt)
@@ -180,11 +161,11 @@ def _info_quantized(console: Console, preset, format_names: list[str] | None, gr
             continue
         config = experts_config(preset, fmt)
         try:
-            chosen = choose_path(config).name
-        except NoSupportedPath:
+            chosen = choose_backend(config).name
+        except NoSupportedBackend:
             chosen = None
-        report = path_report(config)
-        console.print(f"[bold]{fmt.describe()}[/]: the oracle chooses [bold]{chosen or 'no path'}[/]")
+        report = backend_report(config)
+        console.print(f"[bold]{fmt.describe()}[/]: the oracle chooses [bold]{chosen or 'no backend'}[/]")
         for name, ok, why in report:
             verdicts[name].append("[bold green]chosen[/]" if name == chosen else "supported" if ok else f"[dim]{why}[/]")
     for name, cells in verdicts.items():
@@ -193,11 +174,11 @@ def _info_quantized(console: Console, preset, format_names: list[str] | None, gr
     return 0
 
 
-def _paths_table(paths) -> Table:
-    table = Table(title="experts paths (fastest first)", title_justify="left")
-    for name in ("path", "available", "dtypes", "layout"):
+def _backends_table(backends) -> Table:
+    table = Table(title="experts backends (fastest first)", title_justify="left")
+    for name in ("backend", "available", "dtypes", "layout"):
         table.add_column(name, no_wrap=name != "layout")
-    for p in paths:
+    for p in backends:
         why = getattr(p, "unavailable", "")
         table.add_row(p.name, f"no: {why}" if why else "yes", "/".join(getattr(p, "dtypes", ["any"])),
                       getattr(p, "layout", "per-expert torch GEMMs"))
@@ -206,7 +187,7 @@ def _paths_table(paths) -> Table:
 
 def _choice_table(report: list[tuple[str, bool, str]], chosen: str) -> Table:
     table = Table(title="oracle, fastest first", title_justify="left")
-    table.add_column("path", no_wrap=True)
+    table.add_column("backend", no_wrap=True)
     table.add_column("verdict")
     for name, ok, why in report:
         if name == chosen:
@@ -224,7 +205,7 @@ def _choice_table(report: list[tuple[str, bool, str]], chosen: str) -> Table:
 def _add_bench(commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
                                                                            metavar="BENCH")
-    p = bench.add_parser("layer", help="time one MoE layer on every experts path this CPU can run")
+    p = bench.add_parser("layer", help="time one MoE layer on every experts backend this CPU can run")
     p.add_argument("--preset", type=_preset, default=DEFAULT_PRESET, help=f"layer preset (default {DEFAULT_PRESET})")
     p.add_argument("--hidden", type=int, help="override H (with none of the preset's shape: a custom layer)")
     p.add_argument("--inter", type=int, help="override I")
@@ -232,11 +213,12 @@ def _add_bench(commands) -> None:
     p.add_argument("--topk", type=int, help="override k")
     p.add_argument("--tokens", type=positive_ints, default=[1, 8, 32, 128, 512, 2048],
                    help="token counts M, comma-separated (default 1,8,32,128,512,2048)")
-    p.add_argument("--dtype", type=_weight_formats, default=["bf16"],
+    p.add_argument("--dtype", type=weight_formats, default=["bf16"],
                    help="weight formats, comma-separated: bf16 (default), fp32, fp16, and quantized int8, int4, "
                         "fp8, mxfp4 (or int8_w8a8, int4_w4a16, fp8_w8a16, mxfp4_w4a16; on bf16 activations)")
     p.add_argument("--group-size", type=int, default=128, help="int4 group / fp8 k block along K (default 128)")
-    p.add_argument("--paths", type=names, help="only these experts paths, comma-separated (default: all available)")
+    p.add_argument("--backends", type=names,
+                   help="only these experts backends, comma-separated (default: all available)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write every result and the machine's limits here")
     p.add_argument("--quick", action="store_true", help="1-3 repetitions per case and a quicker machine measurement")
@@ -251,7 +233,7 @@ def _add_bench(commands) -> None:
     p.add_argument("--input-len", type=positive_ints, default=[128, 512], help="prompt lengths (default 128,512)")
     p.add_argument("--output-len", type=positive_ints, default=[128], help="output lengths (default 128)")
     p.add_argument("--dtype", type=_dtype, default=None, help="bf16, fp32 or fp16 (default: the checkpoint's)")
-    p.add_argument("--compare", choices=["naive"], help="also run the experts on this path, case by case")
+    p.add_argument("--compare", choices=["naive"], help="also run the experts on this backend, case by case")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write every result here")
     p.add_argument("--repeats", type=int, default=3, help="round-robin repetitions of every case (default 3)")
@@ -305,13 +287,13 @@ def _cmd_bench_layer(args) -> int:
             sys.exit("cpumoe bench layer: error: --threads must be positive")
         torch.set_num_threads(args.threads)
     preset = _layer_preset(args)
-    console = _console()
+    console = stdout_console()
     try:
         formats = [parse_weight_format(name, args.group_size) for name in args.dtype]
-        select_cases(preset, formats, args.paths)   # fail now, not after measuring the machine
-    except ValueError as e:   # an unknown --paths entry, a group size the shape cannot take, nothing to run
+        select_cases(preset, formats, args.backends)   # fail now, not after measuring the machine
+    except ValueError as e:   # an unknown --backends entry, a group size the shape cannot take, nothing to run
         sys.exit(f"cpumoe bench layer: error: {e}")
-    report = run_layer_bench(preset, formats, args.tokens, paths=args.paths, quick=args.quick,
+    report = run_layer_bench(preset, formats, args.tokens, backends=args.backends, quick=args.quick,
                              progress=Console(stderr=True))
     render_layer_report(report, console)
     _write_json(report, args.json, console)
@@ -351,7 +333,7 @@ def _cmd_bench_model(args) -> int:
             sys.exit("cpumoe bench model: error: --threads must be positive")
         torch.set_num_threads(args.threads)
     cases = [ModelCase(b, i, o) for b, i, o in itertools.product(args.batch, args.input_len, args.output_len)]
-    console = _console()
+    console = stdout_console()
     if args.profile:
         return _profile_model(args, console)
     if args.speculative_config:
@@ -419,7 +401,8 @@ def _profile_model(args, console) -> int:
 
 def _add_make_model(commands) -> None:
     p = commands.add_parser("make-model", help="write a synthetic Hugging Face checkpoint with a real model's shapes")
-    p.add_argument("--preset", default=DEFAULT_PRESET, help=f"model (default {DEFAULT_PRESET})")
+    p.add_argument("--preset", default=DEFAULT_PRESET,
+                   help=f"model (default {DEFAULT_PRESET}); any preset of cpumoe.models: see cpumoe info --presets")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     p.add_argument("--vocab", type=int, help="vocabulary size (default: the real model's)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -436,7 +419,7 @@ def _cmd_make_model(args) -> int:
 
     from cpumoe.synthetic import make_checkpoint, tiny_overrides
 
-    console = _console()
+    console = stdout_console()
     try:
         overrides = tiny_overrides(args.preset) if args.tiny else None
         with Progress(console=Console(stderr=True), transient=True) as bar:
@@ -498,7 +481,7 @@ def _cmd_quantize(args) -> int:
 
     from cpumoe.loader.quantized.convert import quantize_checkpoint
 
-    console = _console()
+    console = stdout_console()
     try:
         with Progress(console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task("quantizing", total=None)
@@ -622,7 +605,7 @@ def _add_generate(commands) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
     p.add_argument("--seed", type=int, help="sampling seed")
     p.add_argument("--dtype", type=_dtype, help="weights and KV cache dtype (default: the checkpoint's)")
-    p.add_argument("--backend", default="auto", help="experts path (default: the oracle's choice)")
+    p.add_argument("--backend", default="auto", help="experts backend (default: the oracle's choice)")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GB (default 1)")
     p.add_argument("--speculative-config", type=_speculative, metavar="JSON", help=SPECULATIVE_HELP)
     p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)

@@ -1,5 +1,5 @@
-"""The MoE layer shapes of real models (/work/shared/workloads.md), named so every benchmark, sweep and synthetic
-checkpoint runs the same work. Facts from each model's public config.json.
+"""The MoE layer shapes of real models, named so every benchmark, sweep and synthetic checkpoint runs the same work.
+They come from the presets of the architectures (cpumoe.models: each model's public config.json, in one place).
 
     H = hidden, I = inter (one routed expert's intermediate size), E = experts, k = top_k
 
@@ -35,25 +35,12 @@ class LayerPreset:
         return self.scoring if self.scoring in SCORINGS else "softmax"
 
 
-PRESETS: dict[str, LayerPreset] = {p.name: p for p in (
-    LayerPreset("qwen3-30b-a3b", hidden=2048, inter=768, experts=128, top_k=8, shared_experts=0,
-                activation="silu", scoring="softmax", renormalize=True),
-    LayerPreset("olmoe-1b-7b", hidden=2048, inter=1024, experts=64, top_k=8, shared_experts=0,
-                activation="silu", scoring="softmax", renormalize=False),
-    LayerPreset("qwen1.5-moe-a2.7b", hidden=2048, inter=1408, experts=60, top_k=4, shared_experts=1,
-                activation="silu", scoring="softmax", renormalize=False, shared_inter=5632),
-    LayerPreset("deepseek-v2-lite", hidden=2048, inter=1408, experts=64, top_k=6, shared_experts=2,
-                activation="silu", scoring="softmax", renormalize=False, shared_inter=1408),
-    LayerPreset("mixtral-8x7b", hidden=4096, inter=14336, experts=8, top_k=2, shared_experts=0,
-                activation="silu", scoring="softmax", renormalize=True),
-    LayerPreset("phi-3.5-moe", hidden=4096, inter=6400, experts=16, top_k=2, shared_experts=0,
-                activation="silu", scoring="sparsemixer", renormalize=False),
-    LayerPreset("gpt-oss-20b", hidden=2880, inter=2880, experts=32, top_k=4, shared_experts=0,
-                activation="swigluoai", scoring="softmax", renormalize=True, bias=True),
-    LayerPreset("llama-4-scout-17b-16e", hidden=5120, inter=8192, experts=16, top_k=1, shared_experts=1,
-                activation="silu", scoring="sigmoid", renormalize=False, shared_inter=8192,
-                router_weight_on_input=True),
-)}
+def _all_presets() -> dict[str, LayerPreset]:
+    from cpumoe.models import model_presets
+    return {name: arch.layer_preset(preset) for name, (arch, preset) in model_presets().items()}
+
+
+PRESETS: dict[str, LayerPreset] = _all_presets()
 
 
 def get_preset(name: str) -> LayerPreset:

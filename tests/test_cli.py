@@ -1,4 +1,4 @@
-# The `cpumoe` command: `info` names the oracle's choice for a preset and lists every path; bad arguments end with
+# The `cpumoe` command: `info` names the oracle's choice for a preset and lists every backend; bad arguments end with
 # a clear message and a non-zero exit.
 import subprocess
 import sys
@@ -9,50 +9,50 @@ from rich.console import Console
 
 from cpumoe.bench.layer import experts_config, parse_weight_format
 from cpumoe.cli import main
-from cpumoe.experts import all_paths, choose_path, path_report
+from cpumoe.experts import all_backends, backend_report, choose_backend
 from cpumoe.presets import get_preset
 
 
-def test_info_names_choice_and_every_path(capsys):
+def test_info_names_choice_and_every_backend(capsys):
     assert main(["info", "--preset", "qwen3-30b-a3b"]) == 0
     out = capsys.readouterr().out
-    chosen = choose_path(experts_config(get_preset("qwen3-30b-a3b"), torch.bfloat16)).name
+    chosen = choose_backend(experts_config(get_preset("qwen3-30b-a3b"), torch.bfloat16)).name
     assert f"the oracle chooses {chosen}" in out
-    for p in all_paths():
+    for p in all_backends():
         assert p.name in out
     from cpumoe import ops
-    assert f"decode attention runs on {ops.attention_paths()[0]}" in out
+    assert f"decode attention runs on {ops.attention_backends()[0]}" in out
 
 
-def test_info_fp16_rejects_bf16_only_paths(capsys):
+def test_info_fp16_rejects_bf16_only_backends(capsys):
     assert main(["info", "--preset", "olmoe-1b-7b", "--dtype", "fp16"]) == 0
     out = capsys.readouterr().out
     config = experts_config(get_preset("olmoe-1b-7b"), torch.float16)
-    for p in all_paths():
+    for p in all_backends():
         ok, why = p.is_supported(config)
         if not ok:
             assert f"not supported: {why}" in out
 
 
 def test_info_quantized_formats(capsys, monkeypatch):
-    """Every quantized format: the oracle's choice for the layer and every path's verdict, from path_report."""
-    monkeypatch.setattr("cpumoe.cli._console", lambda: Console(width=500))   # no reason wrapped over two lines
+    """Every quantized format: the oracle's choice for the layer and every backend's verdict, from backend_report."""
+    monkeypatch.setattr("cpumoe.cli.stdout_console", lambda: Console(width=500))   # no reason wrapped over two lines
     assert main(["info", "--preset", "qwen3-30b-a3b"]) == 0
     out = capsys.readouterr().out
     preset = get_preset("qwen3-30b-a3b")
     for name in ("int8", "int4", "fp8", "mxfp4"):
         fmt = parse_weight_format(name, 128)
         config = experts_config(preset, fmt)
-        assert f"{fmt.describe()}: the oracle chooses {choose_path(config).name}" in out
-        for path, ok, why in path_report(config):
-            assert ok or why in out, (fmt.name, path, why)
+        assert f"{fmt.describe()}: the oracle chooses {choose_backend(config).name}" in out
+        for backend, ok, why in backend_report(config):
+            assert ok or why in out, (fmt.name, backend, why)
 
 
 def test_info_one_format(capsys):
     assert main(["info", "--preset", "olmoe-1b-7b", "--quant", "int4", "--group-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "int4_w4a16 g64 (bfloat16 activations): the oracle chooses" in out
-    # only int4's choice line (other formats may appear in a path's reason: "has no ... tiles (has ...)")
+    # only int4's choice line (other formats may appear in a backend's reason: "has no ... tiles (has ...)")
     assert "the oracle chooses" in out and "int8_w8a8 per channel" not in out and "mxfp4_w4a16 g32" not in out
 
 

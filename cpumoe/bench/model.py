@@ -13,7 +13,7 @@
                  taken right before the case
       memory     peak RSS while loading and while serving each case, against the checkpoint's size (+ KV cache)
       scaling    decode tokens/s at batch B over batch 1, beside the bound of the weight bytes each step reads
-With `--compare naive` a second engine runs the experts on the naive path, after the first one's cases and with
+With `--compare naive` a second engine runs the experts on the naive backend, after the first one's cases and with
 the first engine freed, so each engine's load peak and serving peak are its own.
 Peak RSS: VmHWM of /proc/self/status, reset (clear_refs) before each load and each case; ru_maxrss where
 that is not available (then a process-wide high-water mark).
@@ -56,7 +56,7 @@ class ModelCase:
 
 @dataclass(slots=True)
 class ModelResult:
-    path: str
+    backend: str
     batch: int
     input_len: int
     output_len: int
@@ -113,6 +113,8 @@ def weight_bytes(engine: LLMEngine) -> WeightBytes:
 
 def model_weight_bytes(model: torch.nn.Module, *, kv_per_token: int) -> WeightBytes:
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    if not blocks:
+        raise ValueError("the model has no MoE layer (only dense ones): the model benchmark measures MoE models")
     embed = model.model.embed_tokens.weight
     # Parameters, plus the projections packed for cpumoe's kernels (a buffer each; routers keep `.weight` too).
     packed = [m for m in model.modules()
@@ -139,7 +141,7 @@ def _kv_bytes_per_token(engine: LLMEngine) -> int:
                                                   dtype=engine.dtype)
 
 
-def experts_path(engine: LLMEngine) -> str:
+def experts_backend(engine: LLMEngine) -> str:
     return next(m.experts.backend for m in engine.model.modules() if isinstance(m, MoEBlock))
 
 
@@ -247,7 +249,7 @@ def run_case(engine: LLMEngine, case: ModelCase, limits: MachineLimits, weights:
     decode_gbs = statistics.median(b / t for t, b in decode_steps) / 1e9 if decode_steps else float("nan")
     prefill_gflops = weights.prefill_flops(case.batch, case.input_len) / prefill_s / 1e9
     return ModelResult(
-        path=experts_path(engine), batch=case.batch, input_len=case.input_len, output_len=case.output_len,
+        backend=experts_backend(engine), batch=case.batch, input_len=case.input_len, output_len=case.output_len,
         ttft_ms=ttft * 1e3,
         itl_ms=(e2e - ttft) / (case.batch * max(case.output_len - 1, 1)) * 1e3,
         e2e_s=e2e, throughput_tok_s=case.batch * (case.input_len + case.output_len) / e2e,
@@ -315,7 +317,7 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
     engine = LLMEngine(model_path, dtype=dtype, config=config)
     load_rss = {"fused": peak_rss_gb()}
     weights = weight_bytes(engine)
-    model_dtype, path, fmt = engine.dtype, experts_path(engine), weights_format(engine)
+    model_dtype, backend, fmt = engine.dtype, experts_backend(engine), weights_format(engine)
     limits = MachineLimits(probe_bytes=(256 << 20) if quick else (1 << 30),
                            mm_size=QUICK_MM_SIZE if quick else MM_SIZE, dtype=model_dtype)
     results = []
@@ -340,7 +342,7 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
     order = {c: i for i, c in enumerate(cases)}
     results.sort(key=lambda r: order[ModelCase(r.batch, r.input_len, r.output_len)])  # case by case (stable)
     return dict(model=str(model_path), dtype=str(model_dtype).removeprefix("torch."), cpu=cpu_model(),
-                threads=torch.get_num_threads(), features=ops.cpu_features(), experts_path=path,
+                threads=torch.get_num_threads(), features=ops.cpu_features(), experts_backend=backend,
                 weights_format=fmt,
                 weights=dict(asdict(weights), dense=weights.dense, expert=weights.expert),
                 load_peak_rss_gb=load_rss["fused"], load_peak_rss_gb_by_engine=load_rss,
@@ -370,7 +372,7 @@ def run_formats_bench(model_paths: Sequence, cases: Sequence[ModelCase], *, dtyp
         weights = weight_bytes(engine)
         engines.append((engine, weights))
         label = weights_format(engine) + (" invariant" if invariant else "")
-        models.append(dict(model=str(path), weights_format=label, experts_path=experts_path(engine),
+        models.append(dict(model=str(path), weights_format=label, experts_backend=experts_backend(engine),
                            checkpoint_gb=Checkpoint(path).weights_bytes / 1e9, load_rss_gb=after - before,
                            load_peak_over_start_gb=peak - before,
                            weights=dict(asdict(weights)), dtype=str(engine.dtype).removeprefix("torch.")))
@@ -423,12 +425,12 @@ def render_formats_report(report: dict, console: Console) -> None:
     console.print(f"CPU {report['cpu']}  threads {report['threads']}  KV cache {report['kv_cache_gb']:.2f} GB each")
     models = Table(title="checkpoints (loaded together; memory is each one's growth while it loads, and its peak "
                          "over the start of its load)", title_justify="left")
-    for name in ("#", "weights", "experts path", "checkpoint GB", "dense GB", "expert MB", "loaded GB",
+    for name in ("#", "weights", "experts backend", "checkpoint GB", "dense GB", "expert MB", "loaded GB",
                  "x checkpoint", "load peak GB", "peak x ckpt"):
         models.add_column(name, justify="right", no_wrap=True)
     for i, m in enumerate(report["models"]):
         w = m["weights"]
-        models.add_row(str(i), m["weights_format"], m["experts_path"], f"{m['checkpoint_gb']:.2f}",
+        models.add_row(str(i), m["weights_format"], m["experts_backend"], f"{m['checkpoint_gb']:.2f}",
                        f"{w['dense'] / 1e9:.2f}", f"{w['expert'] / 1e6:.2f}", f"{m['load_rss_gb']:.2f}",
                        f"{m['load_rss_gb'] / m['checkpoint_gb']:.2f}x", f"{m['load_peak_over_start_gb']:.2f}",
                        f"{m['load_peak_over_start_gb'] / m['checkpoint_gb']:.2f}x")
@@ -454,14 +456,14 @@ def render_formats_report(report: dict, console: Console) -> None:
 
 
 def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes) -> list[dict]:
-    """Decode tokens/s at batch B over batch 1 (same path, input and output lengths), beside the most a weight
+    """Decode tokens/s at batch B over batch 1 (same backend, input and output lengths), beside the most a weight
     stream allows: B x bytes(step of 1) / bytes(step of B), the batch-B step reading the distinct experts its
     tokens chose (measured; and, for reference, uniform routing's expectation): it reads more experts, so it
     cannot gain B-fold."""
-    single = {(r.path, r.input_len, r.output_len): r for r in results if r.batch == 1}
+    single = {(r.backend, r.input_len, r.output_len): r for r in results if r.batch == 1}
     rows = []
     for r in results:
-        base = single.get((r.path, r.input_len, r.output_len))
+        base = single.get((r.backend, r.input_len, r.output_len))
         if r.batch == 1 or base is None:
             continue
         context = r.input_len + r.output_len / 2
@@ -469,7 +471,7 @@ def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes) -> list[
         bound = r.batch * single_bytes / weights.decode_step_bytes(r.batch, context, r.decode_experts_per_layer)
         uniform = r.batch * weights.decode_step_bytes(1, context) / weights.decode_step_bytes(r.batch, context)
         speedup = r.decode_tok_s / base.decode_tok_s
-        rows.append(dict(path=r.path, batch=r.batch, input_len=r.input_len, output_len=r.output_len,
+        rows.append(dict(backend=r.backend, batch=r.batch, input_len=r.input_len, output_len=r.output_len,
                          experts_per_layer=r.decode_experts_per_layer, decode_speedup=speedup,
                          bandwidth_bound_speedup=bound, uniform_routing_bound=uniform,
                          pct_of_bound=100 * speedup / bound))
@@ -479,7 +481,7 @@ def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes) -> list[
 def render_model_report(report: dict, console: Console) -> None:
     w = report["weights"]
     console.print(f"[bold]{report['model']}[/]  {report['dtype']}  weights [bold]{report.get('weights_format', '?')}[/]  "
-                  f"experts path [bold]{report['experts_path']}[/]  "
+                  f"experts backend [bold]{report['experts_backend']}[/]  "
                   f"CPU {report['cpu']}  threads {report['threads']}")
     loads = report.get("load_peak_rss_gb_by_engine") or {"fused": report["load_peak_rss_gb"]}
     peaks = ", ".join(f"{name} {gb:.2f} GB" for name, gb in loads.items())
@@ -492,10 +494,10 @@ def render_model_report(report: dict, console: Console) -> None:
                  "% bw", "prefill GFLOP/s", "% mm", "peak RSS GB"):
         table.add_column(name, justify="right", no_wrap=True)
     for r in report["results"]:
-        table.add_row(str(r["batch"]), str(r["input_len"]), str(r["output_len"]), r["path"], f"{r['ttft_ms']:.1f}",
-                      f"{r['itl_ms']:.2f}", f"{r['throughput_tok_s']:.1f}", f"{r['decode_tok_s']:.1f}",
-                      f"{r['decode_gbs']:.1f}", f"{r['decode_bandwidth_pct']:.0f}%", f"{r['prefill_gflops']:.0f}",
-                      f"{r['prefill_mm_pct']:.0f}%", f"{r['peak_rss_gb']:.2f}")
+        table.add_row(str(r["batch"]), str(r["input_len"]), str(r["output_len"]), r["backend"],
+                      f"{r['ttft_ms']:.1f}", f"{r['itl_ms']:.2f}", f"{r['throughput_tok_s']:.1f}",
+                      f"{r['decode_tok_s']:.1f}", f"{r['decode_gbs']:.1f}", f"{r['decode_bandwidth_pct']:.0f}%",
+                      f"{r['prefill_gflops']:.0f}", f"{r['prefill_mm_pct']:.0f}%", f"{r['peak_rss_gb']:.2f}")
     console.print(table)
     ckpt, kv = report["checkpoint_gb"], report["kv_cache_gb"]
     serving = max(r["peak_rss_gb"] for r in report["results"])
@@ -509,7 +511,7 @@ def render_model_report(report: dict, console: Console) -> None:
                      "% of bound", "bound (uniform routing)"):
             scaling.add_column(name, justify="right", no_wrap=True)
         for s in report["batch_scaling"]:
-            scaling.add_row(str(s["batch"]), str(s["input_len"]), str(s["output_len"]), s["path"],
+            scaling.add_row(str(s["batch"]), str(s["input_len"]), str(s["output_len"]), s["backend"],
                             f"{s['experts_per_layer']:.1f}", f"{s['decode_speedup']:.2f}x",
                             f"{s['bandwidth_bound_speedup']:.2f}x", f"{s['pct_of_bound']:.0f}%",
                             f"{s['uniform_routing_bound']:.2f}x")

@@ -26,13 +26,15 @@ from torch import nn
 from cpumoe.bench.model import ModelCase, engine_config
 from cpumoe.engine import LLMEngine, SamplingParams
 from cpumoe.layer import FusedMoE
+from cpumoe.attention import paged
 from cpumoe.models import blocks
 from cpumoe.models.packed_linear import PackedLinear, QuantizedLinear
 
 GROUPS = ("experts", "dense GEMMs", "attention", "glue", "engine")
 MODULE_GROUPS: tuple[tuple[type, str], ...] = ((FusedMoE, "experts"), (nn.Linear, "dense GEMMs"),
                                               (PackedLinear, "dense GEMMs"), (QuantizedLinear, "dense GEMMs"))
-ATTENTION_FUNCTIONS = ((blocks, "paged_attention"), (blocks, "decode_attention"), (blocks, "causal_attention"))
+# patched where they are looked up: the attention layer calls paged_attention, which calls the other two
+ATTENTION_FUNCTIONS = ((blocks, "paged_attention"), (paged, "decode_attention"), (paged, "causal_attention"))
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 from cpumoe.engine.api import RequestOutput, SamplingParams
 from cpumoe.engine.config import EngineConfig, SpeculativeConfig
 from cpumoe.engine.detokenize import IncrementalDetokenizer
-from cpumoe.engine.kv_cache import KVCache, KVCacheLayout
+from cpumoe.engine.kv_cache import KVCache
 from cpumoe.engine.runner import ModelRunner
 from cpumoe.engine.sampling import FAILED, make_generator
 from cpumoe.engine.scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
@@ -93,7 +93,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
-        shape = dict(num_layers=mc.num_hidden_layers, block_size=config.block_size, layout=KVCacheLayout.of(mc),
+        shape = dict(num_layers=mc.num_hidden_layers, block_size=config.block_size, layout=self.model.kv_cache_layout,
                      dtype=self.dtype)
         num_blocks = config.num_blocks or config.kv_cache_bytes // KVCache.bytes_per_block(**shape)
         capacity = num_blocks * config.block_size

@@ -7,32 +7,11 @@ model dtype, as the model's KVCacheLayout says, and the BlockManager that hands 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class KVCacheLayout:
-    """What one token of one layer keeps in the cache: K [num_kv_heads, k_dim] and V [num_kv_heads, v_dim].
-    v_dim 0: no V (the layer reads its values out of K; MLA's latent cache). A model config declares its layout as
-    a `kv_cache_layout` attribute; without one, K and V are num_key_value_heads x head_dim (GQA)."""
-    num_kv_heads: int
-    k_dim: int
-    v_dim: int
-
-    @classmethod
-    def of(cls, config) -> "KVCacheLayout":
-        layout = getattr(config, "kv_cache_layout", None)
-        if layout is not None:
-            return layout
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(num_kv_heads=config.num_key_value_heads, k_dim=head_dim, v_dim=head_dim)
-
-    def bytes_per_token(self, *, num_layers: int, dtype: torch.dtype) -> int:
-        """K and V of one token over all layers."""
-        return num_layers * self.num_kv_heads * (self.k_dim + self.v_dim) * dtype.itemsize
+from cpumoe.attention.layout import KVCacheLayout
 
 
 class KVCache:

@@ -15,7 +15,7 @@ from cpumoe.engine.kv_cache import KVCache
 from cpumoe.engine.rejection_sampling import verify
 from cpumoe.engine.sampling import Sampler
 from cpumoe.engine.scheduler import ScheduledBatch
-from cpumoe.models.blocks import AttentionContext
+from cpumoe.attention import AttentionContext
 
 
 class ModelRunner:

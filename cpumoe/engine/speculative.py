@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from cpumoe.engine.config import SpeculativeConfig
-from cpumoe.engine.kv_cache import BlockManager, KVCache, KVCacheLayout
+from cpumoe.engine.kv_cache import BlockManager, KVCache
 from cpumoe.engine.runner import ModelRunner
 from cpumoe.engine.sampling import GREEDY_EPS, probabilities
 from cpumoe.engine.scheduler import ScheduledBatch, Sequence, SequenceStatus
@@ -87,7 +87,7 @@ class DraftModelProposer:
             raise ValueError(f"the draft model {config.model} has {draft_vocab} token embeddings, the target "
                              f"{vocab_size}: a draft must share the target's vocabulary")
         mc = self.model.config
-        shape = dict(num_layers=mc.num_hidden_layers, block_size=block_size, layout=KVCacheLayout.of(mc),
+        shape = dict(num_layers=mc.num_hidden_layers, block_size=block_size, layout=self.model.kv_cache_layout,
                      dtype=self.model.model.embed_tokens.weight.dtype)
         num_blocks = max(1, kv_cache_bytes // KVCache.bytes_per_block(**shape))
         self.block_manager = BlockManager(num_blocks, block_size)

@@ -1,4 +1,4 @@
 """Reading checkpoints from disk (local Hugging Face directories of safetensors)."""
-from cpumoe.loader.checkpoint import Checkpoint, CheckpointError
+from cpumoe.loader.checkpoint import Checkpoint, CheckpointConfig, CheckpointError
 
-__all__ = ["Checkpoint", "CheckpointError"]
+__all__ = ["Checkpoint", "CheckpointConfig", "CheckpointError"]

@@ -50,23 +50,25 @@ def read_json(file: Path) -> object:
         raise CheckpointError(f"{file}: not valid JSON ({e})") from None
 
 
-class Checkpoint:
-    def __init__(self, path: str | Path):
+class CheckpointConfig:
+    """A checkpoint's config.json: what a model is (model_type, shapes, routing) before any tensor is read. A
+    Checkpoint is one with its weights; make-model and the presets read a config without weights."""
+
+    def __init__(self, path: str | Path, config: dict | None = None):
+        """config.json of the directory `path`; or `config`, a dict of its values (`path` then only names it)."""
         self.path = Path(path).expanduser()
-        if not self.path.is_dir():
-            raise CheckpointError(f"checkpoint directory {self.path} does not exist (only local paths are read; "
-                                  "download the model first)")
-        config_file = self.path / CONFIG
-        if not config_file.is_file():
-            raise CheckpointError(f"{config_file} not found: a checkpoint directory needs a {CONFIG}")
-        config = read_json(config_file)
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+        if config is None:
+            if not self.path.is_dir():
+                raise CheckpointError(f"checkpoint directory {self.path} does not exist (only local paths are read; "
+                                      "download the model first)")
+            config_file = self.path / CONFIG
+            if not config_file.is_file():
+                raise CheckpointError(f"{config_file} not found: a checkpoint directory needs a {CONFIG}")
+            config = read_json(config_file)
+            if not isinstance(config, dict):
+                raise CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
         self.config: dict = config
         self._check_config_types()
-        self._open: dict[str, object] = {}  # shard file name -> safe_open handle
-        self._headers: dict[str, dict] = {}  # shard file name -> its parsed header (read)
-        self._file_of: dict[str, str] = self._find_weights()  # tensor name -> shard file name
 
     def _check_config_types(self) -> None:
         for key in _INT_KEYS:
@@ -77,6 +79,40 @@ class Checkpoint:
             value = self.config.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise CheckpointError(f"{self.path / CONFIG}: {key} must be a number, got {value!r}")
+
+    def config_get(self, *keys: str, default=_REQUIRED):
+        """The first of `keys` present in config.json (aliases, e.g. "num_experts", "num_local_experts")."""
+        for key in keys:
+            if key in self.config:
+                return self.config[key]
+        if default is _REQUIRED:
+            raise CheckpointError(f"{self.path / CONFIG} has no {' / '.join(repr(k) for k in keys)}")
+        return default
+
+    @property
+    def model_type(self) -> str:
+        return self.config_get("model_type")
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The dtype config.json says the weights are in ("dtype" in transformers 5, "torch_dtype" before)."""
+        name = self.config_get("dtype", "torch_dtype", default=None)
+        if name is None:
+            return None
+        if name not in _DTYPES:
+            raise CheckpointError(f"{self.path / CONFIG}: unsupported dtype {name!r}")
+        return _DTYPES[name]
+
+
+class Checkpoint(CheckpointConfig):
+    """A local Hugging Face checkpoint directory: its config.json and its safetensors weights (one file, or shards
+    with an index)."""
+
+    def __init__(self, path: str | Path):
+        super().__init__(path)
+        self._open: dict[str, object] = {}  # shard file name -> safe_open handle
+        self._headers: dict[str, dict] = {}  # shard file name -> its parsed header (read)
+        self._file_of: dict[str, str] = self._find_weights()  # tensor name -> shard file name
 
     def _find_weights(self) -> dict[str, str]:
         index = self.path / INDEX
@@ -106,30 +142,6 @@ class Checkpoint:
     def weights_bytes(self) -> int:
         """Size on disk of the weight files (all shards)."""
         return sum((self.path / shard).stat().st_size for shard in set(self._file_of.values()))
-
-    # --- config ---------------------------------------------------------------------------------------------
-    def config_get(self, *keys: str, default=_REQUIRED):
-        """The first of `keys` present in config.json (aliases, e.g. "num_experts", "num_local_experts")."""
-        for key in keys:
-            if key in self.config:
-                return self.config[key]
-        if default is _REQUIRED:
-            raise CheckpointError(f"{self.path / CONFIG} has no {' / '.join(repr(k) for k in keys)}")
-        return default
-
-    @property
-    def model_type(self) -> str:
-        return self.config_get("model_type")
-
-    @property
-    def torch_dtype(self) -> torch.dtype | None:
-        """The dtype config.json says the weights are in ("dtype" in transformers 5, "torch_dtype" before)."""
-        name = self.config_get("dtype", "torch_dtype", default=None)
-        if name is None:
-            return None
-        if name not in _DTYPES:
-            raise CheckpointError(f"{self.path / CONFIG}: unsupported dtype {name!r}")
-        return _DTYPES[name]
 
     # --- tensors --------------------------------------------------------------------------------------------
     def keys(self) -> list[str]:

@@ -1,21 +1,14 @@
-"""Models, picked by config.json's model_type, and their declarative weight loading.
+"""Models, picked by config.json's model_type (registry.py), and their declarative weight loading.
 
-Supported (model_type: examples), all one decoder (moe_decoder.py) under a per-architecture ArchSpec:
-    qwen3_moe  Qwen3-30B-A3B, Qwen3-235B-A22B        per-head q/k norm
-    qwen2_moe  Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B     q/k/v bias, sigmoid-gated shared expert
-    mixtral    Mixtral-8x7B, Mixtral-8x22B           block_sparse_moe w1/w3/w2; no sliding window
-    olmoe      OLMoE-1B-7B                           q/k norm over the full projections, clip_qkv
-    deepseek_v2  DeepSeek-V2, -V2-Lite (yarn RoPE)   MLA (mla.py), grouped routing: own layers, same forward
-    deepseek_v3  DeepSeek-V3, -R1, Moonlight         DeepSeek-V2's model with a sigmoid router, correction bias and
-                                                     grouped top-k (deepseek_v3.py; router kept in float32)
-    gpt_oss    gpt-oss-20b, gpt-oss-120b             attention sinks, sliding/full layers, biased router and experts,
-                                                     swigluoai; fused or MXFP4 experts (gpt_oss.py): own layers
+Every architecture is one file here holding an Architecture (architecture.py): its config, the modules of its
+layers, its presets and its expert layout. Every model is a CausalLM (causal_lm.py) assembled from those modules.
+`cpumoe.models.ARCHITECTURES` lists them; the README's table says what each supports.
 
-    load_model(path) -> Checkpoint(path) -> MODELS[model_type] built on the meta device
+    load_model(path) -> Checkpoint(path) -> ARCHITECTURES[model_type] -> CausalLM built on the meta device
                      -> every parameter <- the checkpoint tensor of its name, in the model dtype (float32 where the
-                        name ends in one of model.fp32_parameters: routers transformers keeps in float32)
-                     -> every MoEBlock <- w13 / w2 stacked expert by expert (model.expert_weights), or what
-                        model.experts_from_checkpoint reads (transposed, de-interleaved, dequantized) -> FusedMoE packs
+                        name ends in one of arch.fp32_parameters: routers transformers keeps in float32)
+                     -> every MoEBlock <- w13 / w2 stacked expert by expert (arch.expert_weights), or what
+                        arch.experts_from_checkpoint reads (transposed, de-interleaved, dequantized) -> FusedMoE packs
                      -> the remaining nn.Linear modules -> PackedLinear
 
 Quantized checkpoints (cpumoe.loader.quantized: compressed-tensors, GPTQ, AWQ, block FP8, MXFP4) keep their format:
@@ -37,45 +30,24 @@ from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.loader.quantized import QuantizedCheckpoint
 from cpumoe.logs import logger
 from cpumoe.models.blocks import ExpertWeights, MoEBlock
-from cpumoe.models.deepseek_v2 import DeepseekV2ForCausalLM
-from cpumoe.models.deepseek_v3 import DeepseekV3ForCausalLM
-from cpumoe.models.gpt_oss import GptOssForCausalLM
-from cpumoe.models.mixtral import MixtralForCausalLM
-from cpumoe.models.moe_decoder import MoeDecoderForCausalLM
-from cpumoe.models.olmoe import OlmoeForCausalLM
+from cpumoe.models.causal_lm import CausalLM
 from cpumoe.models.packed_linear import QuantizedLinear, pack_linears
-from cpumoe.models.qwen2_moe import Qwen2MoeForCausalLM
-from cpumoe.models.qwen3_moe import Qwen3MoeForCausalLM
+from cpumoe.models.registry import ARCHITECTURES, architecture, model_presets
 from cpumoe.quant import QuantizedWeight, concat_rows, dequantize
 
-MODELS: dict[str, type[MoeDecoderForCausalLM]] = {
-    "deepseek_v2": DeepseekV2ForCausalLM,
-    "deepseek_v3": DeepseekV3ForCausalLM,
-    "gpt_oss": GptOssForCausalLM,
-    "mixtral": MixtralForCausalLM,
-    "olmoe": OlmoeForCausalLM,
-    "qwen2_moe": Qwen2MoeForCausalLM,
-    "qwen3_moe": Qwen3MoeForCausalLM,
-}
-
-__all__ = ["MODELS", "load_model", "load_weights", "model_class"]
-
-
-def model_class(model_type: str) -> type[MoeDecoderForCausalLM]:
-    if model_type not in MODELS:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(MODELS))}")
-    return MODELS[model_type]
+__all__ = ["ARCHITECTURES", "CausalLM", "architecture", "load_model", "load_weights", "model_presets"]
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, backend: str = "auto") -> nn.Module:
     """Build the model a local checkpoint directory describes and load its weights (dtype: config's by default)."""
     ckpt = Checkpoint(path)
-    cls = model_class(ckpt.model_type)
+    arch = architecture(ckpt.model_type)
+    ckpt = arch.open_checkpoint(ckpt)
     dtype = dtype or ckpt.torch_dtype or torch.float32
     _check_usable(ckpt)
-    config = cls.config_from_checkpoint(ckpt)
+    config = arch.config(ckpt)
     with torch.device("meta"):
-        model = cls(config, backend=backend)
+        model = CausalLM(arch, config, backend=backend)
     quantized = QuantizedCheckpoint(ckpt)
     load_weights(model, ckpt, dtype, quantized if quantized.format is not None else None, backend)
     return model.eval()
@@ -102,16 +74,17 @@ def _check_usable(ckpt: Checkpoint) -> None:
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, quantized: QuantizedCheckpoint | None = None,
+def load_weights(model: CausalLM, ckpt: Checkpoint, dtype: torch.dtype, quantized: QuantizedCheckpoint | None = None,
                  backend: str = "auto") -> None:
     """Memory: tensors are read with file reads (Checkpoint.read), not memory-mapped, so the checkpoint's pages are
     never resident beside the model; per-expert checkpoints are read and packed one expert at a time (peak: the
     model + one expert), fused ones ([E, rows, cols] tensors) one layer at a time; the dense projections are packed
     (pack_linears) before the first expert is read. A model whose experts need more
     than stacking (gpt-oss: transposed, gate/up de-interleaved, MXFP4 dequantized, with biases) defines
-    experts_from_checkpoint(ckpt, prefix, block, dtype) -> the block's load_experts arguments, an expert_reader
-    among them (one expert at a time)."""
-    fp32 = tuple(getattr(model, "fp32_parameters", ()))
+    experts_from_checkpoint(config, ckpt, prefix, block, dtype) -> the block's load_experts arguments, an
+    expert_reader among them (one expert at a time)."""
+    arch, config = model.arch, model.config
+    fp32 = arch.fp32_parameters
     if quantized is not None:
         _quantized_linears(model, quantized, dtype, backend)
     for name, param in list(model.named_parameters()):
@@ -128,18 +101,18 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, quantiz
     module = param = None
     pack_linears(model, dtype, backend)
     ops.release_free_memory()
-    specs = model.expert_weights
-    experts_from_checkpoint = getattr(model, "experts_from_checkpoint", None)
+    specs = arch.expert_weights(config)
     for prefix, block in model.named_modules():
         if isinstance(block, MoEBlock):
-            _load_block_experts(block, prefix, ckpt, specs, quantized, dtype, experts_from_checkpoint)
+            custom = arch.experts_from_checkpoint(config, ckpt, prefix, block, dtype)
+            _load_block_experts(block, prefix, ckpt, specs, quantized, dtype, custom)
             ops.release_free_memory()  # the layer's transient buffers, before the next layer's stacks settle
 
 
 def _load_block_experts(block: MoEBlock, prefix: str, ckpt: Checkpoint, specs: dict,
-                        quantized: QuantizedCheckpoint | None, dtype: torch.dtype, experts_from_checkpoint) -> None:
-    if experts_from_checkpoint is not None:
-        block.load_experts(**experts_from_checkpoint(ckpt, prefix, block, dtype))
+                        quantized: QuantizedCheckpoint | None, dtype: torch.dtype, custom: dict | None) -> None:
+    if custom is not None:  # the architecture read them its own way (Architecture.experts_from_checkpoint)
+        block.load_experts(**custom)
         return
     if quantized is not None and _load_quantized_experts(block, prefix, specs, quantized, dtype):
         return

@@ -2,8 +2,7 @@
 
     input_ids -> embed -> N x [x += MLA(norm(x)); x += mlp(norm(x))] -> norm -> lm_head -> logits
 
-Where it departs from the shared decoder (moe_decoder.py), whose embedding, layer loop, final norm, forward and
-logits it reuses:
+Where it departs from the Llama-style decoder (its layers are the shared DecoderLayer over these modules):
 - attention is multi-head latent attention (mla.py), with interleaved RoPE on the rope channels only; the engine's
   cache holds its compressed latent and rope key per token (config.kv_cache_layout), not per-head K and V;
 - layers l < first_k_dense_replace have a dense GatedMLP of intermediate_size, the others a DeepseekV2MoE:
@@ -18,18 +17,17 @@ refused with a CheckpointError.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpumoe.engine.kv_cache import KVCacheLayout
+from cpumoe.attention import KVCacheLayout
 from cpumoe.layer import FusedMoE
-from cpumoe.loader import Checkpoint, CheckpointError
-from cpumoe.models.blocks import AttentionContext, GatedMLP, MoEBlock, RMSNorm
+from cpumoe.loader import CheckpointConfig, CheckpointError
+from cpumoe.models.architecture import Architecture, DecoderLayer, ModelPreset
+from cpumoe.models.blocks import GatedMLP, MoEBlock, RMSNorm
 from cpumoe.models.mla import MLAttention
-from cpumoe.models.moe_decoder import ArchSpec, MoeDecoderForCausalLM, MoeDecoderModel
 from cpumoe.models.packed_linear import PackedLinear
 from cpumoe.models.rope import rope_from_config
 
@@ -67,11 +65,6 @@ class DeepseekV2Config:
     tie_word_embeddings: bool = False
     rope_interleave: bool = True  # RoPE on pairs (x[2i], x[2i+1]); DeepSeek-V3's config may say halves (False)
 
-    @property
-    def kv_cache_layout(self) -> KVCacheLayout:
-        """What the engine's KVCache holds per token and layer: MLA's latent and rope key, no per-head K or V."""
-        return MLAttention.cache_layout(self.kv_lora_rank, self.qk_rope_head_dim)
-
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
 
@@ -85,11 +78,11 @@ class DeepseekV2Config:
             routed_scaling_factor=self.routed_scaling_factor, backend=backend)
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint) -> "DeepseekV2Config":
+    def from_checkpoint(cls, ckpt: CheckpointConfig) -> "DeepseekV2Config":
         return cls(**config_fields(ckpt, TOPK_METHODS, DEFAULTS))
 
 
-def config_fields(ckpt: Checkpoint, topk_methods: tuple[str, ...], defaults: dict) -> dict:
+def config_fields(ckpt: CheckpointConfig, topk_methods: tuple[str, ...], defaults: dict) -> dict:
     """DeepseekV2Config's fields from config.json (shared with DeepSeek-V3): topk_method must be one of topk_methods;
     `defaults` hold the values of the DEFAULTS fields when config.json does not have them."""
     get = ckpt.config_get
@@ -178,52 +171,63 @@ class DeepseekV2MoE(MoEBlock):
         return ", ".join(f"{k}={v}" for k, v in {**self.routing, "renormalize": self.renormalize}.items())
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config: DeepseekV2Config, layer: int, backend: str):
-        super().__init__()
-        c = config
-        self.layer_idx = layer
-        self.self_attn = MLAttention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
-                                     q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
-                                     qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
-                                     v_head_dim=c.v_head_dim, rope_theta=c.rope_theta, bias=c.attention_bias,
-                                     rope_scaling=c.rope_scaling, rope_interleave=c.rope_interleave)
-        if c.is_moe_layer(layer):
-            self.mlp: nn.Module = c.moe_block(backend)
-        else:
-            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+class DeepseekV2Architecture(Architecture):
+    """DeepSeek-V2's layers are the shared DecoderLayer over MLA and its MoE (or a dense MLP in the first layers);
+    the engine's cache holds MLA's latent (kv_cache_layout)."""
+    model_type = "deepseek_v2"
+    hf_name = "DeepseekV2"
+    fp32_parameters = ("mlp.gate.weight",)
+    presets = (
+        ModelPreset("deepseek-v2-lite", "deepseek-ai/DeepSeek-V2-Lite", dict(
+            num_hidden_layers=27, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+            vocab_size=102400, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
+            n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy", n_group=1,
+            topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, rms_norm_eps=1e-6,
+            max_position_embeddings=163840, tie_word_embeddings=False, attention_bias=False, rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707))),
+    )
+    tiny = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+                moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                routed_scaling_factor=1.5, max_position_embeddings=512,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                context: AttentionContext | None = None) -> torch.Tensor:  # x [B, T, H] or, with context, [T, H]
-        x = x + self.self_attn(self.input_layernorm(x), positions, context, self.layer_idx)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DeepseekV2Model(MoeDecoderModel):
-    """MoeDecoderModel's embed -> layers -> norm forward over DeepSeek-V2 layers. Its __init__ builds Llama-style
-    layers, so this one replaces it (nn.Module.__init__ only) and sets the same three submodules."""
-
-    def __init__(self, config: DeepseekV2Config, backend: str):
-        nn.Module.__init__(self)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class DeepseekV2ForCausalLM(MoeDecoderForCausalLM):
-    """Reuses MoeDecoderForCausalLM's forward, compute_logits and expert_weights (experts.{e}.gate_proj / up_proj /
-    down_proj, or transformers' fused experts.gate_up_proj / down_proj); builds its own model."""
-    spec: ClassVar[ArchSpec] = ArchSpec(moe="mlp", experts=("gate_proj", "up_proj", "down_proj"))
-    fp32_parameters: ClassVar[tuple[str, ...]] = ("mlp.gate.weight",)
-
-    def __init__(self, config: DeepseekV2Config, backend: str = "auto"):
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = DeepseekV2Model(config, backend)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    @classmethod
-    def config_from_checkpoint(cls, ckpt: Checkpoint) -> DeepseekV2Config:  # type: ignore[override]
+    def config(self, ckpt: CheckpointConfig) -> DeepseekV2Config:
         return DeepseekV2Config.from_checkpoint(ckpt)
+
+    def layer(self, config: DeepseekV2Config, index: int, backend: str) -> nn.Module:
+        c = config
+        attention = MLAttention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank,
+                                kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+                                qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                                rope_theta=c.rope_theta, bias=c.attention_bias, rope_scaling=c.rope_scaling,
+                                rope_interleave=c.rope_interleave)
+        mlp = c.moe_block(backend) if c.is_moe_layer(index) else GatedMLP(c.hidden_size, c.intermediate_size)
+        return DecoderLayer(index, self_attn=attention, mlp=mlp,
+                            input_layernorm=RMSNorm(c.hidden_size, c.rms_norm_eps),
+                            post_attention_layernorm=RMSNorm(c.hidden_size, c.rms_norm_eps))
+
+    def kv_cache_layout(self, config: DeepseekV2Config) -> KVCacheLayout:
+        """MLA's latent and rope key per token and layer, no per-head K or V."""
+        return MLAttention.cache_layout(config.kv_lora_rank, config.qk_rope_head_dim)
+
+    def layer_shape_config(self, *, hidden: int, inter: int, experts: int, top_k: int) -> dict:
+        # one group: any expert count routes, whatever n_group the real model has
+        return dict(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
+                    num_experts_per_tok=top_k, n_group=1, topk_group=1)
+
+    def layer_preset(self, preset: ModelPreset):
+        from cpumoe.presets import LayerPreset
+        c = self.preset_config(preset)
+        with torch.device("meta"):  # only its routing is read
+            block = c.moe_block("auto")
+        return LayerPreset(preset.name, hidden=c.hidden_size, inter=c.moe_intermediate_size,
+                           experts=c.n_routed_experts, top_k=c.num_experts_per_tok, shared_experts=c.n_shared_experts,
+                           activation="silu", scoring=block.routing["scoring"], renormalize=block.renormalize,
+                           shared_inter=c.moe_intermediate_size if c.n_shared_experts else 0)
+
+
+ARCHITECTURE = DeepseekV2Architecture()

@@ -25,15 +25,15 @@ Config: https://huggingface.co/docs/transformers/model_doc/deepseek_v3
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
 
 from cpumoe.layer import FusedMoE
-from cpumoe.loader import Checkpoint, CheckpointError
+from cpumoe.loader import CheckpointConfig, CheckpointError
+from cpumoe.models.architecture import ModelPreset
 from cpumoe.models.blocks import MoEBlock
-from cpumoe.models.deepseek_v2 import (DEFAULTS, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV2MoE,
+from cpumoe.models.deepseek_v2 import (DEFAULTS, DeepseekV2Architecture, DeepseekV2Config, DeepseekV2MoE,
                                        DeepseekV2TopkRouter, config_fields)
 
 TOPK_METHODS = ("noaux_tc",)
@@ -55,7 +55,7 @@ class DeepseekV3Config(DeepseekV2Config):
             routed_scaling_factor=self.routed_scaling_factor, backend=backend)
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint) -> "DeepseekV3Config":
+    def from_checkpoint(cls, ckpt: CheckpointConfig) -> "DeepseekV3Config":
         get = ckpt.config_get
         if (scoring := get("scoring_func", default="sigmoid")) != "sigmoid":
             raise CheckpointError(f"{ckpt.path}: scoring_func {scoring!r} is not supported (DeepSeek-V3: sigmoid)")
@@ -92,10 +92,36 @@ class DeepseekV3MoE(DeepseekV2MoE):
                                 dtype=dtype, **self.routing)
 
 
-class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
-    """DeepseekV2ForCausalLM over a DeepseekV3Config (whose moe_block builds DeepseekV3MoE)."""
-    fp32_parameters: ClassVar[tuple[str, ...]] = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+class DeepseekV3Architecture(DeepseekV2Architecture):
+    """DeepSeek-V2's architecture over a DeepseekV3Config (whose moe_block builds DeepseekV3MoE)."""
+    model_type = "deepseek_v3"
+    hf_name = "DeepseekV3"
+    fp32_parameters = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+    presets = (
+        ModelPreset("deepseek-v3", "deepseek-ai/DeepSeek-V3", dict(
+            num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
+            vocab_size=129280, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+            n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="noaux_tc", n_group=8,
+            topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid",
+            rms_norm_eps=1e-6, max_position_embeddings=163840, tie_word_embeddings=False, attention_bias=False,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
+                                 original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                                 mscale_all_dim=1.0))),
+        ModelPreset("moonlight-16b-a3b", "moonshotai/Moonlight-16B-A3B", dict(
+            num_hidden_layers=27, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+            vocab_size=163840, intermediate_size=11264, moe_intermediate_size=1408, n_routed_experts=64,
+            n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="noaux_tc", n_group=1,
+            topk_group=1, routed_scaling_factor=2.446, norm_topk_prob=True, scoring_func="sigmoid",
+            rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=False, attention_bias=False,
+            rope_parameters=dict(rope_type="default", rope_theta=50000.0))),
+    )
+    tiny = dict(DeepseekV2Architecture.tiny, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                topk_method="noaux_tc", routed_scaling_factor=2.5, norm_topk_prob=True)
 
-    @classmethod
-    def config_from_checkpoint(cls, ckpt: Checkpoint) -> DeepseekV3Config:  # type: ignore[override]
+    def config(self, ckpt: CheckpointConfig) -> DeepseekV3Config:
         return DeepseekV3Config.from_checkpoint(ckpt)
+
+
+ARCHITECTURE = DeepseekV3Architecture()

@@ -2,7 +2,7 @@
 
     input_ids -> embed -> N x [x += attn(norm(x)); x += moe(norm(x))] -> norm -> lm_head -> logits
 
-Where it departs from the shared decoder (moe_decoder.py), whose layer and model forward and logits it reuses:
+Where it departs from the Llama-style decoder (its layers are the shared DecoderLayer over these modules):
 - attention: q/k/v/o biases, attention sinks (a learned logit per head that joins the softmax denominator), and
   layer l sees only its last `sliding_window` keys when layer_types[l] is "sliding_attention" (the full context
   when "full_attention"); head_dim from the config (64), scale head_dim^-0.5; yarn RoPE (rope.py);
@@ -23,16 +23,15 @@ Config: https://huggingface.co/docs/transformers/model_doc/gpt_oss
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 from torch import nn
 
 from cpumoe.layer import FusedMoE
-from cpumoe.loader import Checkpoint, CheckpointError, mxfp4
+from cpumoe.loader import Checkpoint, CheckpointConfig, CheckpointError, mxfp4
 from cpumoe.loader.quantized import QuantizedCheckpoint
+from cpumoe.models.architecture import Architecture, DecoderLayer, ModelPreset
 from cpumoe.models.blocks import Attention, MoEBlock, QKNorm, RMSNorm
-from cpumoe.models.moe_decoder import ArchSpec, DecoderLayer, MoeDecoderForCausalLM, MoeDecoderModel
 from cpumoe.models.rope import rope_from_config
 from cpumoe.quant import QuantizedWeight
 from cpumoe.reference import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
@@ -64,7 +63,7 @@ class GptOssConfig:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint) -> "GptOssConfig":
+    def from_checkpoint(cls, ckpt: CheckpointConfig) -> "GptOssConfig":
         get = ckpt.config_get
         layers = get("num_hidden_layers")
         # transformers' default: sliding, full, sliding, ...
@@ -126,51 +125,60 @@ class GptOssMoE(MoEBlock):
         return self.experts(flat, self.router(flat)).view(x.shape)  # router logits [M, E]
 
 
-class GptOssDecoderLayer(DecoderLayer):
-    """DecoderLayer's forward (pre-norm attention, then pre-norm MoE) over gpt-oss's modules."""
+class GptOssArchitecture(Architecture):
+    """gpt-oss's layers are the shared DecoderLayer over its own modules; its experts are read through
+    `experts_from_checkpoint` (the fused layouts above), not per-expert tensors."""
+    model_type = "gpt_oss"
+    hf_name = "GptOss"
+    presets = tuple(ModelPreset(name, hub_id, dict(
+        num_hidden_layers=layers, hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        vocab_size=201088, intermediate_size=2880, num_local_experts=experts, num_experts_per_tok=4,
+        sliding_window=128, layer_types=[LAYER_TYPES[i % 2] for i in range(layers)], rms_norm_eps=1e-5,
+        max_position_embeddings=131072, attention_bias=True, tie_word_embeddings=False, rope_parameters=dict(
+            rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+            original_max_position_embeddings=4096, truncate=False)))
+        for name, hub_id, layers, experts in (("gpt-oss-20b", "openai/gpt-oss-20b", 24, 32),
+                                              ("gpt-oss-120b", "openai/gpt-oss-120b", 36, 128)))
+    tiny = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512)
 
-    def __init__(self, config: GptOssConfig, layer: int, backend: str):
-        nn.Module.__init__(self)
-        c = config
-        self.layer_idx, self.mlp_name = layer, "mlp"
-        self.self_attn = Attention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
-                                   num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
-                                   rope_scaling=c.rope_scaling, qk_norm=QKNorm.NONE, norm_eps=c.rms_norm_eps,
-                                   qkv_bias=c.attention_bias, o_bias=c.attention_bias, sinks=True,
-                                   sliding_window=c.window(layer))
-        self.mlp = GptOssMoE(hidden_size=c.hidden_size, num_experts=c.num_local_experts,
-                             inter_size=c.intermediate_size, top_k=c.num_experts_per_tok, backend=backend)
-        self.input_layernorm = GptOssRMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = GptOssRMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
-class GptOssModel(MoeDecoderModel):
-    """MoeDecoderModel's embed -> layers -> norm forward over gpt-oss layers (its __init__ builds Llama-style ones)."""
-
-    def __init__(self, config: GptOssConfig, backend: str):
-        nn.Module.__init__(self)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(GptOssDecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
-        self.norm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class GptOssForCausalLM(MoeDecoderForCausalLM):
-    """Reuses MoeDecoderForCausalLM's forward and compute_logits; builds its own model, and reads its experts
-    through `experts_from_checkpoint` (the fused layouts above) instead of the per-expert `expert_weights`."""
-    spec: ClassVar[ArchSpec] = ArchSpec(bias_field="attention_bias", bias_default=True)
-
-    def __init__(self, config: GptOssConfig, backend: str = "auto"):
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = GptOssModel(config, backend)
-        self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
-
-    @classmethod
-    def config_from_checkpoint(cls, ckpt: Checkpoint) -> GptOssConfig:  # type: ignore[override]
+    def config(self, ckpt: CheckpointConfig) -> GptOssConfig:
         return GptOssConfig.from_checkpoint(ckpt)
 
-    def experts_from_checkpoint(self, ckpt: Checkpoint, prefix: str, block: GptOssMoE,
+    def layer(self, config: GptOssConfig, index: int, backend: str) -> nn.Module:
+        c = config
+        attention = Attention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
+                              num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
+                              rope_scaling=c.rope_scaling, qk_norm=QKNorm.NONE, norm_eps=c.rms_norm_eps,
+                              qkv_bias=c.attention_bias, o_bias=c.attention_bias, sinks=True,
+                              sliding_window=c.window(index))
+        moe = GptOssMoE(hidden_size=c.hidden_size, num_experts=c.num_local_experts, inter_size=c.intermediate_size,
+                        top_k=c.num_experts_per_tok, backend=backend)
+        return DecoderLayer(index, self_attn=attention, mlp=moe,
+                            input_layernorm=GptOssRMSNorm(c.hidden_size, c.rms_norm_eps),
+                            post_attention_layernorm=GptOssRMSNorm(c.hidden_size, c.rms_norm_eps))
+
+    def final_norm(self, config: GptOssConfig) -> nn.Module:
+        return GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def expert_tensors(self, config: GptOssConfig, block: MoEBlock) -> list[tuple[str, tuple[int, ...]]]:
+        """transformers' fused layout, biases included (what save_pretrained writes for gpt-oss)."""
+        E, I, H = block.num_experts, block.inter_size, block.hidden_size
+        return [("experts.gate_up_proj", (E, H, 2 * I)), ("experts.gate_up_proj_bias", (E, 2 * I)),
+                ("experts.down_proj", (E, I, H)), ("experts.down_proj_bias", (E, H))]
+
+    def layer_shape_config(self, *, hidden: int, inter: int, experts: int, top_k: int) -> dict:
+        return dict(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts, num_experts_per_tok=top_k)
+
+    def layer_preset(self, preset: ModelPreset):
+        from cpumoe.presets import LayerPreset
+        c = self.preset_config(preset)
+        return LayerPreset(preset.name, hidden=c.hidden_size, inter=c.intermediate_size, experts=c.num_local_experts,
+                           top_k=c.num_experts_per_tok, shared_experts=0, activation="swigluoai", scoring="softmax",
+                           renormalize=True, bias=True)
+
+    def experts_from_checkpoint(self, config: GptOssConfig, ckpt: Checkpoint, prefix: str, block: GptOssMoE,
                                 dtype: torch.dtype) -> dict:
         """GptOssMoE.load_experts' arguments for the block at `prefix` (e.g. "model.layers.3.mlp"): meta w13 / w2, an
         expert_reader that reads, dequantizes and reorders one expert, and the biases (small: read whole)."""
@@ -178,7 +186,7 @@ class GptOssForCausalLM(MoeDecoderForCausalLM):
         name = f"{prefix}.experts"
         w13_bias = _deinterleave(_read(ckpt, f"{name}.gate_up_proj_bias", (E, 2 * inter)).to(dtype), dim=1)
         w2_bias = _read(ckpt, f"{name}.down_proj_bias", (E, hidden)).to(dtype)
-        if self.config.quantization == mxfp4.QUANT_METHOD:  # kept MXFP4: the kernels run it natively
+        if config.quantization == mxfp4.QUANT_METHOD:  # kept MXFP4: the kernels run it natively
             quantized = QuantizedCheckpoint(ckpt)
             for proj, (rows, cols) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
                 _check_shape(ckpt, f"{name}.{proj}_blocks", (E, rows, cols // mxfp4.BLOCK, 16))
@@ -230,3 +238,6 @@ def _check_shape(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> None:
 def _read(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     _check_shape(ckpt, name, shape)
     return ckpt.read(name)
+
+
+ARCHITECTURE = GptOssArchitecture()

@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpumoe.engine.kv_cache import KVCacheLayout
-from cpumoe.models.blocks import AttentionContext, DecodeBatch, RMSNorm, row_attention
+from cpumoe.attention import KVCacheLayout
+from cpumoe.attention import AttentionContext, DecodeBatch, row_attention
+from cpumoe.models.blocks import RMSNorm
 from cpumoe.models.packed_linear import PackedLinear
 from cpumoe.models.rope import rope_parameters, rope_type, yarn_mscale
 
@@ -221,7 +222,7 @@ class MLAttention(nn.Module):
     def _rows(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
               context: AttentionContext) -> torch.Tensor:
         """Batch-invariant MLA: every token, prefill or decode, absorbed (as _decode) and attended over the latent
-        cache by the decode kernel as a row of its own (blocks.row_attention; the values are the first c channels
+        cache by the decode kernel as a row of its own (cpumoe.attention.row_attention; the values are the first c channels
         of the keys). q_nope [T, nh, nope], q_pe [T, nh, r] -> [T, nh, dv]."""
         q = torch.cat((self.kv_b_proj.absorb_query(q_nope), q_pe), dim=-1)  # [T, nh, c + r]
         o_lat = row_attention(q, cache, cache[..., :self.kv_lora_rank], context, scale=self.scaling)  # [T, nh, c]

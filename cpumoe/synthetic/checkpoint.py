@@ -3,21 +3,13 @@ named and indexed as on the hub, and tensors with the hub checkpoints' names and
 filled with seeded random numbers. Fewer layers (and a smaller vocabulary) keep the real shapes at a size this
 machine holds; `overrides` shrink anything else (tests).
 
-    plan (names, shapes; no memory) -> shards of <= max_shard_bytes -> per shard: generate, save_file, free
+    preset (cpumoe.models: an architecture's real config.json values) -> transformers config
+    -> plan: names and shapes from cpumoe's own model of that config, built on the meta device (every parameter
+       loads from the tensor of its name), and the experts as the architecture stores them (expert_tensors)
+    -> shards of <= max_shard_bytes -> per shard: generate, save_file, free
 
 Each tensor draws from its own generator, seeded from (seed, tensor name), so the bytes of a tensor do not depend on
-the shard plan, and a shard's tensors can be drawn in parallel. The model is never instantiated: peak memory is
-about one shard.
-
-On-disk names (what `save_pretrained` writes; transformers fuses the experts when loading, see
-transformers/conversion_mapping.py):
-    model.embed_tokens.weight [V, H]   model.norm.weight [H]   lm_head.weight [V, H] (no tied embeddings)
-    model.layers.{i}.input_layernorm.weight / post_attention_layernorm.weight [H]
-    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight, self_attn.{q,k}_norm.weight (Qwen3: [D]; OLMoE: [heads*D])
-    Qwen3-MoE, OLMoE: model.layers.{i}.mlp.gate.weight [E, H], mlp.experts.{e}.{gate,up}_proj.weight [I, H],
-                      mlp.experts.{e}.down_proj.weight [H, I]
-    Mixtral:          model.layers.{i}.block_sparse_moe.gate.weight [E, H],
-                      block_sparse_moe.experts.{e}.{w1,w3}.weight [I, H] (gate, up), .w2.weight [H, I] (down)
+the shard plan, and a shard's tensors can be drawn in parallel. No weights are held beyond one shard.
 """
 from __future__ import annotations
 
@@ -25,73 +17,49 @@ import json
 import math
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
+from cpumoe.loader import CheckpointConfig
 from cpumoe.loader.shards import shard_names, split_into_shards
-from cpumoe.presets import get_preset
 from cpumoe.synthetic import tokenizer as tok
 
 MAX_SHARD_BYTES = 2 * 1024**3
 INIT_STD = 0.02
 
 
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """How one model family's config and checkpoint look. The MoE shape (H, I, E, k) comes from cpumoe.presets."""
-    config_class: str                # a transformers config class
-    config: dict                     # the real model's config.json values not in the layer preset
-    experts_field: str               # the config field holding E
-    inter_field: str                 # the config field holding one expert's I
-    moe: str                         # module holding the router and the experts
-    expert_names: tuple[str, str, str]   # gate, up, down projection names
-    qk_norm: str                     # "head": [head_dim]; "full": [heads * head_dim]; "": none
-    tiny: dict = field(default_factory=dict)   # config overrides for a checkpoint of a few hundred kB
+def _preset(name: str):
+    from cpumoe.models import model_presets
+    presets = model_presets()
+    if name not in presets:
+        raise ValueError(f"no synthetic checkpoint for preset {name!r}; known: {', '.join(presets)}")
+    return presets[name]
 
 
-_TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-
-MODELS: dict[str, ModelSpec] = {
-    "qwen3-30b-a3b": ModelSpec(   # Qwen/Qwen3-30B-A3B
-        "Qwen3MoeConfig",
-        dict(num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
-             intermediate_size=6144, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
-             tie_word_embeddings=False, max_window_layers=48, use_sliding_window=False),
-        experts_field="num_experts", inter_field="moe_intermediate_size", moe="mlp",
-        expert_names=("gate_proj", "up_proj", "down_proj"), qk_norm="head",
-        tiny=dict(_TINY, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
-                  num_experts_per_tok=2)),
-    "olmoe-1b-7b": ModelSpec(     # allenai/OLMoE-1B-7B-0924
-        "OlmoeConfig",
-        dict(num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, vocab_size=50304,
-             max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-             clip_qkv=None),
-        experts_field="num_experts", inter_field="intermediate_size", moe="mlp",
-        expert_names=("gate_proj", "up_proj", "down_proj"), qk_norm="full",
-        tiny=dict(_TINY, intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
-    "mixtral-8x7b": ModelSpec(    # mistralai/Mixtral-8x7B-v0.1
-        "MixtralConfig",
-        dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
-             max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False,
-             sliding_window=None),
-        experts_field="num_local_experts", inter_field="intermediate_size", moe="block_sparse_moe",
-        expert_names=("w1", "w3", "w2"), qk_norm="",
-        tiny=dict(_TINY, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
-}
-
-
-def _spec(preset: str) -> ModelSpec:
-    if preset not in MODELS:
-        raise ValueError(f"no synthetic checkpoint for preset {preset!r}; known: {', '.join(MODELS)}")
-    return MODELS[preset]
+def preset_names() -> list[str]:
+    """The presets make-model can write: every real model of every architecture."""
+    from cpumoe.models import model_presets
+    return list(model_presets())
 
 
 def tiny_overrides(preset: str) -> dict:
-    """Config overrides that make `preset` a checkpoint of a few hundred kB, for tests."""
-    return dict(_spec(preset).tiny)
+    """Config overrides that make `preset` a checkpoint of a few hundred kB, for tests (its architecture's tiny)."""
+    arch, _ = _preset(preset)
+    return dict(arch.tiny)
+
+
+def layer_shape_overrides(preset: str, *, hidden: int, inter: int, experts: int, top_k: int) -> dict:
+    """Config overrides that give `preset`'s MoE layers this shape."""
+    arch, _ = _preset(preset)
+    return arch.layer_shape_config(hidden=hidden, inter=inter, experts=experts, top_k=top_k)
+
+
+def preset_config(preset: str) -> dict:
+    """The real model's config.json values."""
+    return dict(_preset(preset)[1].config)
 
 
 def build_config(preset: str, *, layers: int, vocab: int, dtype: torch.dtype, special_ids: dict[str, int],
@@ -99,16 +67,16 @@ def build_config(preset: str, *, layers: int, vocab: int, dtype: torch.dtype, sp
     """The transformers config of `preset` with `layers` layers and `vocab` rows, then `overrides`."""
     import transformers
 
-    spec, layer = _spec(preset), get_preset(preset)
-    values = dict(spec.config, hidden_size=layer.hidden, num_experts_per_tok=layer.top_k,
-                  **{spec.experts_field: layer.experts, spec.inter_field: layer.inter})
-    if "norm_topk_prob" in getattr(transformers, spec.config_class)().to_dict():
-        values["norm_topk_prob"] = layer.renormalize
-    rope_theta = values.pop("rope_theta")
+    arch, model = _preset(preset)
+    values = dict(model.config)
     values.update(num_hidden_layers=layers, vocab_size=vocab, **special_ids, **(overrides or {}))
-    values.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": rope_theta})
-    config = getattr(transformers, spec.config_class)(**values)
-    config.architectures = [spec.config_class.removesuffix("Config") + "ForCausalLM"]
+    if "layer_types" in values and len(values["layer_types"]) != layers:  # one per layer, in the model's cycle
+        cycle = values["layer_types"]
+        values["layer_types"] = [cycle[i % len(cycle)] for i in range(layers)]
+    if "rope_theta" in values and "rope_parameters" not in values:  # transformers 5 keeps it there
+        values["rope_parameters"] = {"rope_type": "default", "rope_theta": values.pop("rope_theta")}
+    config = getattr(transformers, arch.hf_config_class)(**values)
+    config.architectures = [arch.hf_model_class]
     config.dtype = dtype
     return config
 
@@ -117,46 +85,37 @@ def build_config(preset: str, *, layers: int, vocab: int, dtype: torch.dtype, sp
 class TensorPlan:
     name: str
     shape: tuple[int, ...]
-    init: str     # "normal" (std INIT_STD) or "ones" (norm weights)
+    init: str     # "normal" (std INIT_STD), "ones" (norms, scales) or "zeros" (biases)
 
 
 def plan_tensors(preset: str, config) -> list[TensorPlan]:
-    """Every tensor of the checkpoint, in hub order (embedding, layer by layer, final norm, lm_head)."""
-    spec = _spec(preset)
-    H, V = config.hidden_size, config.vocab_size
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    D = getattr(config, "head_dim", None) or H // heads
-    E, I = getattr(config, spec.experts_field), getattr(config, spec.inter_field)
-    gate, up, down = spec.expert_names
+    """Every tensor of the checkpoint: cpumoe's model of `config` names them (embedding, layer by layer with each
+    MoE block's experts after its other tensors, final norm, lm_head)."""
+    from cpumoe.models import CausalLM
+    from cpumoe.models.blocks import MoEBlock
 
-    def layer(i: int) -> Iterator[TensorPlan]:
-        p = f"model.layers.{i}."
-        yield TensorPlan(p + "input_layernorm.weight", (H,), "ones")
-        yield TensorPlan(p + "self_attn.q_proj.weight", (heads * D, H), "normal")
-        yield TensorPlan(p + "self_attn.k_proj.weight", (kv_heads * D, H), "normal")
-        yield TensorPlan(p + "self_attn.v_proj.weight", (kv_heads * D, H), "normal")
-        yield TensorPlan(p + "self_attn.o_proj.weight", (H, heads * D), "normal")
-        if spec.qk_norm == "head":
-            yield TensorPlan(p + "self_attn.q_norm.weight", (D,), "ones")
-            yield TensorPlan(p + "self_attn.k_norm.weight", (D,), "ones")
-        elif spec.qk_norm == "full":
-            yield TensorPlan(p + "self_attn.q_norm.weight", (heads * D,), "ones")
-            yield TensorPlan(p + "self_attn.k_norm.weight", (kv_heads * D,), "ones")
-        yield TensorPlan(p + "post_attention_layernorm.weight", (H,), "ones")
-        yield TensorPlan(p + f"{spec.moe}.gate.weight", (E, H), "normal")
-        for e in range(E):
-            q = p + f"{spec.moe}.experts.{e}."
-            yield TensorPlan(q + f"{gate}.weight", (I, H), "normal")
-            yield TensorPlan(q + f"{up}.weight", (I, H), "normal")
-            yield TensorPlan(q + f"{down}.weight", (H, I), "normal")
-
-    plans = [TensorPlan("model.embed_tokens.weight", (V, H), "normal")]
-    for i in range(config.num_hidden_layers):
-        plans.extend(layer(i))
-    plans.append(TensorPlan("model.norm.weight", (H,), "ones"))
-    if not config.tie_word_embeddings:
-        plans.append(TensorPlan("lm_head.weight", (V, H), "normal"))
+    arch, _ = _preset(preset)
+    values = {k: v for k, v in config.to_dict().items() if v is not None or k == "sliding_window"}
+    parsed = arch.config(CheckpointConfig(preset, values))
+    with torch.device("meta"):
+        model = CausalLM(arch, parsed)
+    # each block's experts follow its last parameter (the router, or the shared expert), as the hub orders them
+    after = {f"{prefix}.{list(dict(block.named_parameters()))[-1]}": (prefix, block)
+             for prefix, block in model.named_modules() if isinstance(block, MoEBlock)}
+    plans: list[TensorPlan] = []
+    for name, param in model.named_parameters():
+        plans.append(TensorPlan(name, tuple(param.shape), _init_of(name, param.dim())))
+        if name in after:
+            prefix, block = after[name]
+            plans.extend(TensorPlan(f"{prefix}.{t}", shape, _init_of(t, len(shape)))
+                         for t, shape in arch.expert_tensors(parsed, block))
     return plans
+
+
+def _init_of(name: str, dims: int) -> str:
+    if dims > 1:
+        return "normal"
+    return "zeros" if name.endswith(("bias", "sinks")) else "ones"
 
 
 def _nbytes(plan: TensorPlan, dtype: torch.dtype) -> int:
@@ -164,8 +123,8 @@ def _nbytes(plan: TensorPlan, dtype: torch.dtype) -> int:
 
 
 def _generate(plan: TensorPlan, *, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    if plan.init == "ones":
-        return torch.ones(plan.shape, dtype=dtype)
+    if plan.init in ("ones", "zeros"):
+        return (torch.ones if plan.init == "ones" else torch.zeros)(plan.shape, dtype=dtype)
     generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{plan.name}".encode()))   # CPU seeds are 32-bit
     return torch.empty(plan.shape, dtype=dtype).normal_(0.0, INIT_STD, generator=generator)
 
@@ -183,14 +142,14 @@ def make_checkpoint(preset: str, out_dir, *, layers: int, vocab: int | None = No
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    spec = _spec(preset)
+    real = preset_config(preset)
     if layers < 1:
         raise ValueError(f"layers must be positive, got {layers}")
-    vocab = vocab or (overrides or {}).get("vocab_size") or spec.config["vocab_size"]
+    vocab = vocab or (overrides or {}).get("vocab_size") or real["vocab_size"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    max_positions = (overrides or {}).get("max_position_embeddings", spec.config["max_position_embeddings"])
+    max_positions = (overrides or {}).get("max_position_embeddings", real["max_position_embeddings"])
     tokenizer = tok.make_tokenizer(out, vocab, seed=seed, model_max_length=max_positions)
     ids = {f"{role}_token_id": tokenizer.token_to_id(token)
            for role, token in (("bos", tok.BOS), ("eos", tok.EOS), ("pad", tok.PAD))}
@@ -199,7 +158,11 @@ def make_checkpoint(preset: str, out_dir, *, layers: int, vocab: int | None = No
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
 
-    shards = split_into_shards(plan_tensors(preset, config), lambda p: _nbytes(p, dtype), max_shard_bytes)
+    plans = plan_tensors(preset, config)
+    if not any(".experts." in p.name for p in plans):
+        raise ValueError(f"{preset} with {layers} layer(s) has no MoE layer (its first layers are dense): give more "
+                         "layers")
+    shards = split_into_shards(plans, lambda p: _nbytes(p, dtype), max_shard_bytes)
     names = shard_names(len(shards))
     weight_map, total_size, total_params = {}, 0, 0
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:

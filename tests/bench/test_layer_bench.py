@@ -1,6 +1,6 @@
-# The layer benchmark: its FLOP and byte counts against hand-computed numbers, its pieces (format parsing, path
+# The layer benchmark: its FLOP and byte counts against hand-computed numbers, its pieces (format parsing, backend
 # selection, memory plan, timing, speed-ups, targets), and tiny end-to-end runs through the CLI that must report
-# every (format, path) this CPU can run, and any format no path could.
+# every (format, backend) this CPU can run, and any format no backend could.
 import json
 
 import pytest
@@ -9,11 +9,11 @@ import torch
 from cpumoe.bench.layer import (
     MEMORY_SHARE, Case, LayerCase, LayerResult, WeightFormat, add_speedups, case_nbytes, quantized_nbytes,
     weights_nbytes, compare_with_reference, experts_config, make_inputs,
-    parse_weight_format, plan_groups, reference_case, repetitions_for, select_cases, select_paths, target_for,
+    parse_weight_format, plan_groups, reference_case, repetitions_for, select_backends, select_cases, target_for,
 )
 from cpumoe.bench.machine import OtherCpuUse
 from cpumoe.cli import main
-from cpumoe.experts import all_paths
+from cpumoe.experts import all_backends
 from cpumoe.presets import PRESETS, LayerPreset, get_preset
 from cpumoe.quant import QuantFormat
 
@@ -44,13 +44,13 @@ def test_inputs_count_distinct_experts():
     assert torch.equal(inputs.router_logits, again.router_logits), "inputs must be seeded"
 
 
-def test_select_paths():
+def test_select_backends():
     config = experts_config(TINY, torch.float32)
-    supported = [p.name for p in all_paths() if p.is_supported(config)[0]]
-    assert select_paths(config) == supported and supported[-1] == "naive"
-    assert select_paths(config, ["naive", "generic"]) == ["generic", "naive"]   # fastest first
-    with pytest.raises(ValueError, match="unknown path 'nope'; known: .*naive"):
-        select_paths(config, ["nope"])
+    supported = [p.name for p in all_backends() if p.is_supported(config)[0]]
+    assert select_backends(config) == supported and supported[-1] == "naive"
+    assert select_backends(config, ["naive", "generic"]) == ["generic", "naive"]   # fastest first
+    with pytest.raises(ValueError, match="unknown backend 'nope'; known: .*naive"):
+        select_backends(config, ["nope"])
 
 
 def test_repetitions_for():
@@ -66,8 +66,8 @@ def test_other_cpu_use():
     assert other.fraction is None or 0 <= other.fraction <= 1
 
 
-def _result(format, path, tokens, ms, expert_bytes=100):
-    return LayerResult(format=format, path=path, tokens=tokens, ms=ms, repetitions=3, distinct_experts=2,
+def _result(format, backend, tokens, ms, expert_bytes=100):
+    return LayerResult(format=format, backend=backend, tokens=tokens, ms=ms, repetitions=3, distinct_experts=2,
                        expert_bytes=expert_bytes, gflops=1.0, gbs=1.0, bandwidth_gbs=1.0, bandwidth_pct=1.0,
                        mm_gflops=1.0, peak_pct=1.0)
 
@@ -124,11 +124,11 @@ def test_select_cases_and_reference():
     formats = [parse_weight_format(n, 32) for n in ("int8", "bf16", "mxfp4")]
     cases, unrun = select_cases(TINY, formats)
     assert unrun == [] and [c.format.name for c in cases][-1] == "mxfp4_w4a16"
-    for fmt in formats:   # every format: its supported paths, fastest first, ending with naive
-        assert [c.path for c in cases if c.format == fmt] == select_paths(experts_config(TINY, fmt))
+    for fmt in formats:   # every format: its supported backends, fastest first, ending with naive
+        assert [c.backend for c in cases if c.format == fmt] == select_backends(experts_config(TINY, fmt))
     ref = reference_case(cases)
-    assert ref.format.name == "bfloat16" and ref.path == select_paths(experts_config(TINY, torch.bfloat16))[0]
-    assert reference_case([c for c in cases if c.format.quant is not None or c.path == "naive"]) is None
+    assert ref.format.name == "bfloat16" and ref.backend == select_backends(experts_config(TINY, torch.bfloat16))[0]
+    assert reference_case([c for c in cases if c.format.quant is not None or c.backend == "naive"]) is None
     with pytest.raises(ValueError, match="int4 group size 128 must be a multiple of 32 dividing H=64 and I=32"):
         select_cases(TINY, [parse_weight_format("int4", 128)])
 
@@ -151,12 +151,12 @@ def test_plan_groups():
 def test_presets_run_on_naive(name):
     preset = get_preset(name)
     assert preset.name == name and preset.top_k <= preset.experts
-    ok, why = dict((p.name, p) for p in all_paths())["naive"].is_supported(experts_config(preset, torch.bfloat16))
+    ok, why = dict((p.name, p) for p in all_backends())["naive"].is_supported(experts_config(preset, torch.bfloat16))
     assert ok, why
 
 
 def test_get_preset_unknown():
-    with pytest.raises(ValueError, match="unknown preset 'nope'; known: qwen3-30b-a3b, olmoe-1b-7b"):
+    with pytest.raises(ValueError, match="unknown preset 'nope'; known: qwen3-30b-a3b, qwen3-235b-a22b, olmoe-1b-7b"):
         get_preset("nope")
 
 
@@ -165,9 +165,9 @@ def test_tiny_bench_json(tmp_path, capsys):
     assert main(["bench", "layer", "--hidden", "64", "--inter", "32", "--experts", "4", "--topk", "2",
                  "--tokens", "1,3", "--quick", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    expected = select_paths(experts_config(TINY, torch.bfloat16))
+    expected = select_backends(experts_config(TINY, torch.bfloat16))
     results = report["results"]
-    assert [(r["format"], r["path"], r["tokens"]) for r in results] == [("bfloat16", p, m) for m in (1, 3)
+    assert [(r["format"], r["backend"], r["tokens"]) for r in results] == [("bfloat16", p, m) for m in (1, 3)
                                                                        for p in expected]
     for r in results:
         assert r["ms"] > 0 and r["gflops"] > 0 and r["gbs"] > 0 and r["repetitions"] >= 1, r
@@ -176,17 +176,17 @@ def test_tiny_bench_json(tmp_path, capsys):
         assert 1 <= r["distinct_experts"] <= min(4, 2 * r["tokens"]), r
     assert report["machine"]["bandwidth_gbs"] > 0 and report["machine"]["mm_gflops"] > 0
     [fmt] = report["layer"]["formats"]
-    assert report["layer"]["hidden"] == 64 and fmt["format"] == "bfloat16" and fmt["paths"] == expected
+    assert report["layer"]["hidden"] == 64 and fmt["format"] == "bfloat16" and fmt["backends"] == expected
     assert fmt["oracle_choice"] == expected[0]
     assert report["other_cpu_fraction"] is None or 0 <= report["other_cpu_fraction"] <= 1
     printed = capsys.readouterr().out
     assert all(p in printed for p in expected) and "GFLOP/s" in printed
 
 
-def test_bench_rejects_unsupported_path(capsys):
-    with pytest.raises(SystemExit, match="unknown path 'nope'"):
+def test_bench_rejects_unsupported_backend(capsys):
+    with pytest.raises(SystemExit, match="unknown backend 'nope'"):
         main(["bench", "layer", "--hidden", "64", "--inter", "32", "--experts", "4", "--topk", "2",
-              "--tokens", "1", "--paths", "nope"])
+              "--tokens", "1", "--backends", "nope"])
 
 
 QUANT_ARGS = ["bench", "layer", "--hidden", "64", "--inter", "32", "--experts", "4", "--topk", "2", "--quick",
@@ -194,8 +194,8 @@ QUANT_ARGS = ["bench", "layer", "--hidden", "64", "--inter", "32", "--experts", 
 
 
 def test_tiny_bench_formats(tmp_path, capsys):
-    """Several formats side by side: a row per (format, path, M) with its packed bytes, the ratio to the bf16 fused
-    path and, for the quantized formats, the target (and the decode bound from bytes)."""
+    """Several formats side by side: a row per (format, backend, M) with its packed bytes, the ratio to the bf16 fused
+    backend and, for the quantized formats, the target (and the decode bound from bytes)."""
     out = tmp_path / "layer.json"
     assert main([*QUANT_ARGS, "--tokens", "1,3", "--dtype", "bf16,int8,int4_w4a16,fp8,mxfp4",
                  "--json", str(out)]) == 0
@@ -204,21 +204,21 @@ def test_tiny_bench_formats(tmp_path, capsys):
     formats = report["layer"]["formats"]
     assert [f["format"] for f in formats] == names
     ref = report["layer"]["reference"]
-    assert ref["format"] == "bfloat16" and ref["path"] != "naive"
-    rows = {(r["format"], r["path"], r["tokens"]): r for r in report["results"]}
+    assert ref["format"] == "bfloat16" and ref["backend"] != "naive"
+    rows = {(r["format"], r["backend"], r["tokens"]): r for r in report["results"]}
     for f in formats:
         config = experts_config(TINY, parse_weight_format(f["format"], 32))
-        assert f["paths"] == select_paths(config) and "naive" in f["paths"], f
-        assert f["oracle_choice"] == f["paths"][0]
-        for path in f["paths"]:
+        assert f["backends"] == select_backends(config) and "naive" in f["backends"], f
+        assert f["oracle_choice"] == f["backends"][0]
+        for backend in f["backends"]:
             for m in (1, 3):
-                r = rows.pop((f["format"], path, m))
+                r = rows.pop((f["format"], backend, m))
                 assert r["ms"] > 0 and r["gbs"] > 0 and r["expert_bytes"] > 0 and r["repetitions"] >= 1, r
                 assert r["speedup_vs_bf16"] > 0 and r["bytes_bound_vs_bf16"] > 0, r   # M <= 8: decode
                 assert r["speedup_vs_naive"] > 0, r
                 quantized = f["format"] != "bfloat16"
                 assert (r["target_vs_bf16"] is not None) == quantized, r
-                if quantized and path != "naive":   # packed blocks: fewer bytes than bf16
+                if quantized and backend != "naive":   # packed blocks: fewer bytes than bf16
                     assert r["expert_bytes"] < 3 * 64 * 32 * 2 and r["bytes_bound_vs_bf16"] > 1, r
     assert not rows, f"unexpected rows {list(rows)}"
     assert report["layer"]["unrun"] == []
@@ -228,32 +228,34 @@ def test_tiny_bench_formats(tmp_path, capsys):
     assert all(n in printed for n in ("int8_w8a8", "int4_w4a16", "fp8_w8a16", "mxfp4_w4a16", "vs bf16 (target)"))
 
 
-def _path_without(fmt: str) -> str | None:
-    """A path that runs the tiny layer in bf16 but not in `fmt` on this machine (None: every such path runs it)."""
+def _backend_without(fmt: str) -> str | None:
+    """A backend that runs the tiny layer in bf16 but not in `fmt` on this machine (None: every such backend runs
+    it)."""
     bf16, quant = experts_config(TINY, torch.bfloat16), experts_config(TINY, parse_weight_format(fmt, 32))
-    return next((p.name for p in all_paths() if p.is_supported(bf16)[0] and not p.is_supported(quant)[0]), None)
+    return next((p.name for p in all_backends() if p.is_supported(bf16)[0] and not p.is_supported(quant)[0]), None)
 
 
-def test_format_no_path_runs_is_reported(tmp_path, capsys):
-    fmt = next((f for f in ("int8", "int4", "fp8", "mxfp4") if _path_without(f)), None)
+def test_format_no_backend_runs_is_reported(tmp_path, capsys):
+    fmt = next((f for f in ("int8", "int4", "fp8", "mxfp4") if _backend_without(f)), None)
     if fmt is None:
-        pytest.skip("every path that runs bf16 here runs every quantized format")
-    path = _path_without(fmt)
+        pytest.skip("every backend that runs bf16 here runs every quantized format")
+    backend = _backend_without(fmt)
     out = tmp_path / "layer.json"
-    assert main([*QUANT_ARGS, "--tokens", "1", "--dtype", f"bf16,{fmt}", "--paths", path, "--json", str(out)]) == 0
+    assert main([*QUANT_ARGS, "--tokens", "1", "--dtype", f"bf16,{fmt}", "--backends", backend,
+                 "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     name = parse_weight_format(fmt).name
     [unrun] = report["layer"]["unrun"]
-    assert unrun["format"] == name and list(unrun["reasons"]) == [path] and unrun["reasons"][path]
-    assert {(r["format"], r["path"]) for r in report["results"]} == {("bfloat16", path)}
-    assert f"{name}: no path could run it" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match=f"no path can run any of these formats:\n  {name}: {path}: "):
-        main([*QUANT_ARGS, "--tokens", "1", "--dtype", fmt, "--paths", path])
+    assert unrun["format"] == name and list(unrun["reasons"]) == [backend] and unrun["reasons"][backend]
+    assert {(r["format"], r["backend"]) for r in report["results"]} == {("bfloat16", backend)}
+    assert f"{name}: no backend could run it" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=f"no backend can run any of these formats:\n  {name}: {backend}: "):
+        main([*QUANT_ARGS, "--tokens", "1", "--dtype", fmt, "--backends", backend])
 
 
 def test_quantized_without_bf16_has_no_ratio(tmp_path, capsys):
     out = tmp_path / "layer.json"
-    assert main([*QUANT_ARGS, "--tokens", "1", "--dtype", "int8", "--paths", "naive", "--json", str(out)]) == 0
+    assert main([*QUANT_ARGS, "--tokens", "1", "--dtype", "int8", "--backends", "naive", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     [row] = report["results"]
     assert row["format"] == "int8_w8a8" and row["speedup_vs_bf16"] is None and row["target_vs_bf16"] == 1.8

@@ -33,7 +33,7 @@ def test_step_clock_charges_the_innermost_open_group(monkeypatch):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_decode_profile_adds_up_and_sees_every_group(checkpoint, batch):
     engine = LLMEngine(str(checkpoint), config=engine_config([ModelCase(batch, 12, 12)]))
-    originals = {name: getattr(blocks, name) for _, name in profile.ATTENTION_FUNCTIONS}
+    originals = {(module, name): getattr(module, name) for module, name in profile.ATTENTION_FUNCTIONS}
     p = profile.profile_decode(engine, batch, 12, steps=4)
     assert p.batch == batch and p.steps == 4
     assert all(p.groups_ms[g] > 0 for g in profile.GROUPS), p.groups_ms
@@ -42,7 +42,7 @@ def test_decode_profile_adds_up_and_sees_every_group(checkpoint, batch):
     assert sum(p.share(g) for g in profile.GROUPS) == pytest.approx(1.0)
     # nothing left behind: no hooks, the attention functions restored, no request still running
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in engine.model.modules())
-    assert {name: getattr(blocks, name) for name in originals} == originals
+    assert {(module, name): getattr(module, name) for module, name in originals} == originals
     assert not engine.has_unfinished()
 
 

@@ -1,7 +1,7 @@
 """Random paged-attention inputs, shared by the engine's and the models' attention tests."""
 import torch
 
-from cpumoe.models.blocks import AttentionContext
+from cpumoe.attention import AttentionContext
 
 
 def paged_case(query_lens, context_lens, *, nh: int, nkv: int, d: int, dtype: torch.dtype, block_size: int = 4,

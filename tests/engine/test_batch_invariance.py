@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from cpumoe.models.blocks import AttentionContext  # noqa: E402
+from cpumoe.attention import AttentionContext  # noqa: E402
 from tests.engine.test_speculative import TINY_MODELS  # noqa: E402
 
 BLOCK = 16

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpumoe.models.blocks import paged_attention
+from cpumoe.attention import paged_attention
 from tests.engine.paged import paged_case
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

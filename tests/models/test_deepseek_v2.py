@@ -18,10 +18,10 @@ transformers = pytest.importorskip("transformers")
 from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from cpumoe.engine.kv_cache import KVCacheLayout  # noqa: E402
 from cpumoe.loader import Checkpoint, CheckpointError  # noqa: E402
-from cpumoe.models import MODELS, load_model  # noqa: E402
+from cpumoe.models import ARCHITECTURES, load_model  # noqa: E402
 from cpumoe.models.blocks import GatedMLP  # noqa: E402
-from cpumoe.models.deepseek_v2 import DeepseekV2Config, DeepseekV2MoE  # noqa: E402
-from tests.models.test_architectures import min_router_margin, rel_err  # noqa: E402
+from cpumoe.models.deepseek_v2 import DeepseekV2MoE  # noqa: E402
+from tests.models.tiny import min_router_margin, rel_err  # noqa: E402
 from tests.models.tiny import engine_greedy, greedy_without_cache, spread_weights_  # noqa: E402
 
 TOL = 1e-4
@@ -83,13 +83,13 @@ def write_legacy_rope_config(path):
 def test_registered_and_layers(pair):
     name, _, path = pair
     ckpt = Checkpoint(path)
-    assert ckpt.model_type == "deepseek_v2" and "deepseek_v2" in MODELS
+    assert ckpt.model_type == "deepseek_v2" and "deepseek_v2" in ARCHITECTURES
     assert "model.layers.1.mlp.experts.7.gate_proj.weight" in set(ckpt.keys())
     ours = load_model(path)
     assert [type(layer.mlp) for layer in ours.model.layers] == [GatedMLP, DeepseekV2MoE, DeepseekV2MoE]
     assert ours.model.layers[1].mlp.shared_experts is not None
     c = ours.config
-    assert c.kv_cache_layout == KVCacheLayout(num_kv_heads=1, k_dim=c.kv_lora_rank + c.qk_rope_head_dim, v_dim=0)
+    assert ours.kv_cache_layout == KVCacheLayout(num_kv_heads=1, k_dim=c.kv_lora_rank + c.qk_rope_head_dim, v_dim=0)
 
 
 def test_prefill_logits_match(pair):
@@ -120,11 +120,9 @@ def test_engine_greedy_matches_generate(pair, budget):
 def test_latent_cache_bytes_v2_lite():
     """DeepSeek-V2-Lite's shapes (27 layers, 16 heads, kv_lora_rank 512, rope 64, nope 128, v 128), bf16: the latent
     cache keeps 576 values per token and layer, 31,104 bytes per token; per-head K and V padded to 192 took 331,776."""
-    c = DeepseekV2Config(vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
-                         intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
-                         num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
-                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
-    latent = c.kv_cache_layout.bytes_per_token(num_layers=c.num_hidden_layers, dtype=torch.bfloat16)
+    arch = ARCHITECTURES["deepseek_v2"]
+    c = arch.preset_config(next(p for p in arch.presets if p.name == "deepseek-v2-lite"))
+    latent = arch.kv_cache_layout(c).bytes_per_token(num_layers=c.num_hidden_layers, dtype=torch.bfloat16)
     expanded = 2 * c.num_hidden_layers * c.num_attention_heads * 192 * torch.bfloat16.itemsize
     assert (latent, expanded) == (31_104, 331_776)
 

@@ -22,10 +22,10 @@ transformers = pytest.importorskip("transformers")
 
 from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from cpumoe.loader import Checkpoint, CheckpointError  # noqa: E402
-from cpumoe.models import MODELS, load_model  # noqa: E402
+from cpumoe.models import ARCHITECTURES, load_model  # noqa: E402
 from cpumoe.models.blocks import GatedMLP  # noqa: E402
 from cpumoe.models.deepseek_v3 import DeepseekV3MoE  # noqa: E402
-from tests.models.test_architectures import rel_err  # noqa: E402
+from tests.models.tiny import rel_err  # noqa: E402
 from tests.models.tiny import engine_greedy, greedy_without_cache, spread_weights_  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -126,7 +126,7 @@ def choose(logits, bias, config, grouped=True):
 def test_registered_and_layers(pair):
     name, model, path = pair
     ckpt = Checkpoint(path)
-    assert ckpt.model_type == "deepseek_v3" and "deepseek_v3" in MODELS
+    assert ckpt.model_type == "deepseek_v3" and "deepseek_v3" in ARCHITECTURES
     keys = set(ckpt.keys())
     E = model.config.n_routed_experts
     assert {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",

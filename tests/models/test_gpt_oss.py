@@ -1,7 +1,8 @@
 """gpt-oss against transformers: a tiny random GptOssForCausalLM (yarn RoPE, attention sinks, sliding layers with a
 window of 4 keys alternating with full ones, biased router and experts, swigluoai) saved with save_pretrained and
-loaded by cpumoe.models.load_model gives the same prefill logits and greedy tokens, and the engine (paged KV cache,
-chunked prefill, concurrent requests) generates what transformers' generate does. The same checkpoint with MXFP4
+loaded by cpumoe.models.load_model (the conformance test checks its logits and greedy tokens, as every
+architecture's), and here: the engine with concurrent requests (paged KV cache, chunked prefill, windows across
+blocks) generates what transformers' generate does. The same checkpoint with MXFP4
 experts (published gpt-oss layout) loads and matches its dequantized twin exactly. Attention sinks and windows are
 also checked alone, in paged_attention against a plain softmax reference.
 
@@ -19,12 +20,12 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from cpumoe.loader import Checkpoint, CheckpointError, mxfp4  # noqa: E402
-from cpumoe.models import MODELS, load_model  # noqa: E402
-from cpumoe.models.blocks import paged_attention  # noqa: E402
+from cpumoe.models import ARCHITECTURES, load_model  # noqa: E402
+from cpumoe.attention import paged_attention  # noqa: E402
 from cpumoe.models.gpt_oss import GptOssMoE  # noqa: E402
-from tests.models.test_architectures import min_router_margin, rel_err  # noqa: E402
+from tests.models.tiny import rel_err  # noqa: E402
 from tests.engine.paged import paged_case  # noqa: E402
-from tests.models.tiny import engine_greedy, greedy_without_cache, spread_weights_  # noqa: E402
+from tests.models.tiny import engine_greedy, spread_weights_  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 A8_BUDGET = 0.01  # int8 activations per token; measured 0.0034 here (against the twin and transformers alike)
@@ -100,7 +101,7 @@ def pair(tmp_path_factory):
 def test_registered_layers_and_names(pair):
     _, path = pair
     ckpt = Checkpoint(path)
-    assert ckpt.model_type == "gpt_oss" and "gpt_oss" in MODELS
+    assert ckpt.model_type == "gpt_oss" and "gpt_oss" in ARCHITECTURES
     keys = set(ckpt.keys())
     for name in ("model.layers.0.self_attn.sinks", "model.layers.0.mlp.router.bias",
                  "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.gate_up_proj_bias",
@@ -117,23 +118,9 @@ def test_registered_layers_and_names(pair):
     assert ours.config.quantization is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_prefill_logits_match(dtype, tmp_path):
-    theirs_model = tiny_model(dtype)
-    assert min_router_margin(theirs_model, PROMPT) > 5e-3, "routing near-tie: the prompt no longer suits this test"
-    ours = load_model(save(theirs_model, tmp_path))  # dtype from config.json
-    assert ours.model.embed_tokens.weight.dtype == dtype
-    with torch.no_grad():
-        theirs = theirs_model(PROMPT).logits.float()  # [1, T, V]
-    out = ours(PROMPT)
-    assert out.dtype == torch.float32 and out.shape == theirs.shape
-    err = rel_err(out, theirs)
-    assert err <= TOL[dtype], f"{dtype}: max abs diff / max |logit| = {err:.2e} > {TOL[dtype]:.0e}"
-
-
 @pytest.mark.parametrize("drop", ["sinks", "window"])
 def test_sinks_and_window_matter(pair, drop):
-    """Without either feature the logits move far outside the tolerance: the checks above do test them."""
+    """Without either feature the logits move far outside the tolerance: the conformance test does test them."""
     model, path = pair
     ours = load_model(path)
     for layer in ours.model.layers:
@@ -146,12 +133,6 @@ def test_sinks_and_window_matter(pair, drop):
     assert rel_err(ours(PROMPT), theirs) > 100 * TOL[torch.float32], drop
 
 
-def test_greedy_decode_matches(pair):
-    model, path = pair
-    ours, theirs = greedy_without_cache(load_model(path), model, PROMPT)
-    assert ours == theirs
-
-
 PROMPTS = [PROMPT[0].tolist(), [5], [17, 99, 3], list(range(30, 52)), [7, 7, 7, 7, 7, 9]]
 
 
@@ -162,11 +143,6 @@ def reference(pair):
     with torch.no_grad():
         return [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10)[0, len(p):].tolist()
                 for p in PROMPTS]
-
-
-@pytest.mark.parametrize("budget", [512, 4], ids=["whole-prompt", "chunks-of-4"])
-def test_engine_greedy_matches_generate(pair, reference, budget):
-    assert engine_greedy(pair[1], [PROMPTS[0]], budget=budget) == [reference[0]], f"token budget {budget}"
 
 
 @pytest.mark.parametrize("budget", [512, 7], ids=["budget-512", "budget-7"])
@@ -205,7 +181,7 @@ def test_mxfp4_layout_is_transformers(mxfp4_paths):
 
 
 def test_mxfp4_runs_natively_in_bf16(mxfp4_paths):
-    """In bf16 the experts stay MXFP4 in memory (a native path runs them, no dequantized copy) and agree with the
+    """In bf16 the experts stay MXFP4 in memory (a native backend runs them, no dequantized copy) and agree with the
     dequantized twin within bf16's tolerance."""
     mx, deq = mxfp4_paths
     ours = load_model(mx, dtype=torch.bfloat16)

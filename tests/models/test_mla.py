@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cpumoe.engine.kv_cache import KVCache
-from cpumoe.models.blocks import AttentionContext
+from cpumoe.attention import AttentionContext
 from cpumoe.models.mla import MLAttention
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpumoe.models.prefill_attention import BLOCK, causal_attention
+from cpumoe.attention.prefill import BLOCK, causal_attention
 
 
 def reference(q, k, v, *, scale=None, sliding_window=None, sinks=None):

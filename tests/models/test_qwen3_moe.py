@@ -1,5 +1,5 @@
-"""cpumoe's Qwen3-MoE against transformers': a tiny random model saved with save_pretrained, loaded by
-cpumoe.models.load_model, same prompt -> same logits (prefill) and the same greedy tokens.
+"""cpumoe's Qwen3-MoE against transformers', beyond the conformance test: config variants, sharded and fused
+checkpoints, and the loader's errors on broken checkpoints (missing tensors, files, shards, unknown model types).
 
 Tolerances, as max |ours - theirs| / max |theirs| over the logits: fp32 1e-4, bf16 2e-2.
 """
@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from cpumoe.loader import Checkpoint, CheckpointError  # noqa: E402
-from cpumoe.models import MODELS, load_model  # noqa: E402
+from cpumoe.models import ARCHITECTURES, load_model  # noqa: E402
+from tests.models.tiny import rel_err  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 # [1, 11]; chosen so that no token's 2nd and 3rd expert nearly tie in bf16 (see min_router_margin): a near
@@ -44,18 +45,6 @@ def save(model, path, **kw):
     return path
 
 
-def min_router_margin(model, ids, top_k=2):
-    """Smallest gap, over MoE layers and tokens, between the k-th and (k+1)-th routing probabilities."""
-    with torch.no_grad():
-        router_logits = model(ids, output_router_logits=True).router_logits  # per MoE layer [T, E]
-    probs = [r.float().softmax(-1).sort(-1, descending=True).values for r in router_logits]
-    return min((p[:, top_k - 1] - p[:, top_k]).min().item() for p in probs)
-
-
-def rel_err(ours, theirs):
-    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
-
-
 @pytest.fixture(scope="module")
 def fp32_pair(tmp_path_factory):
     model = tiny_model()
@@ -68,21 +57,6 @@ def test_on_disk_names_are_per_expert(fp32_pair):
     assert "model.layers.0.mlp.experts.7.gate_proj.weight" in keys
     assert "model.layers.1.mlp.gate_proj.weight" in keys  # mlp_only_layers=[1] -> dense
     assert not any("gate_up_proj" in k for k in keys)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_prefill_logits_match(dtype, tmp_path):
-    theirs_model = tiny_model(dtype)
-    ours = load_model(save(theirs_model, tmp_path))  # dtype from config.json
-    assert ours.model.embed_tokens.weight.dtype == dtype
-    assert min_router_margin(theirs_model, PROMPT) > 5e-3, "routing near-tie: the prompt no longer suits this test"
-    with torch.no_grad():
-        theirs = theirs_model(PROMPT).logits.float()  # [1, T, V]
-    out = ours(PROMPT)
-    assert out.dtype == torch.float32 and out.shape == theirs.shape
-    err = rel_err(out, theirs)
-    assert err <= TOL[dtype], f"{dtype}: max abs diff / max |logit| = {err:.2e} > {TOL[dtype]:.0e}"
-    assert torch.equal(ours(PROMPT[0]), out[0])  # [T] input -> [T, V]
 
 
 @pytest.mark.parametrize("variant", [
@@ -113,18 +87,6 @@ def test_sharded_and_fused_checkpoints(fp32_pair, tmp_path):
     assert "model.layers.0.mlp.experts.gate_up_proj" in tensors
     save_file({k: v.contiguous() for k, v in tensors.items()}, fused / "model.safetensors")
     assert rel_err(load_model(fused)(PROMPT), theirs) <= TOL[torch.float32]
-
-
-def test_greedy_decode_matches(fp32_pair):
-    model, path = fp32_pair
-    ours = load_model(path)
-    ids_ours, ids_theirs = PROMPT.clone(), PROMPT.clone()
-    for _ in range(8):  # no KV cache yet: re-run the whole sequence each step
-        ids_ours = torch.cat([ids_ours, ours(ids_ours)[:, -1].argmax(-1, keepdim=True)], dim=1)
-        with torch.no_grad():
-            nxt = model(ids_theirs).logits[:, -1].argmax(-1, keepdim=True)
-        ids_theirs = torch.cat([ids_theirs, nxt], dim=1)
-    assert ids_ours.tolist() == ids_theirs.tolist()
 
 
 def test_missing_tensor_is_named(fp32_pair, tmp_path):
@@ -179,7 +141,7 @@ def test_unknown_model_type_lists_supported(fp32_pair, tmp_path):
     config = json.loads((other / "config.json").read_text())
     config["model_type"] = "llama9"
     (other / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="'llama9' is not supported; supported: " + ", ".join(sorted(MODELS))):
+    with pytest.raises(ValueError, match="'llama9' is not supported; supported: " + ", ".join(sorted(ARCHITECTURES))):
         load_model(other)
 
 

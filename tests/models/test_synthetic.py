@@ -10,10 +10,11 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cpumoe.cli import main
-from cpumoe.synthetic import MODELS, make_checkpoint, make_tokenizer, tiny_overrides
+from cpumoe.models import ARCHITECTURES
+from cpumoe.synthetic import make_checkpoint, make_tokenizer, tiny_overrides
 from cpumoe.synthetic.checkpoint import build_config
 
-PRESETS = list(MODELS)
+PRESETS = [arch.presets[0].name for arch in ARCHITECTURES.values()]   # one per architecture
 VOCAB = 512
 
 
@@ -119,7 +120,34 @@ def test_cli(tmp_path, capsys):
 
 
 def test_unknown_preset(tmp_path):
-    with pytest.raises(ValueError, match="known: qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b"):
+    with pytest.raises(ValueError, match="known: qwen3-30b-a3b, qwen3-235b-a22b, olmoe-1b-7b"):
         make_checkpoint("no-such-model", tmp_path, layers=1)
     with pytest.raises(SystemExit, match="known"):
         main(["make-model", "--preset", "no-such-model", "--out", str(tmp_path)])
+
+
+# Published total parameter counts (billions, model cards). Llama-4's include the vision tower (~1%) and GLM-4.5's
+# its multi-token-prediction layer (~1%); make-model writes neither, as cpumoe reads neither.
+PUBLISHED_BILLIONS = {
+    "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235, "olmoe-1b-7b": 6.92, "qwen1.5-moe-a2.7b": 14.3,
+    "qwen2-57b-a14b": 57.4, "deepseek-v2-lite": 15.7, "deepseek-v3": 671, "moonlight-16b-a3b": 16.0,
+    "mixtral-8x7b": 46.7, "mixtral-8x22b": 141, "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8,
+    "llama-4-scout-17b-16e": 109, "llama-4-maverick-17b-128e": 400, "glm-4.5-air": 106, "glm-4.5": 355,
+    "phi-3.5-moe": 41.9, "gemma-4-26b-a4b": 25.2,
+}
+
+
+def test_every_preset_plans_the_real_model():
+    """Each preset's full plan (real layers and vocabulary, nothing written) adds up to the model's published size:
+    the presets hold the real shapes, and the plan (cpumoe's own model of the config) names every tensor."""
+    from cpumoe.models import model_presets
+    from cpumoe.synthetic.checkpoint import plan_tensors
+
+    presets = model_presets()
+    assert set(presets) == set(PUBLISHED_BILLIONS), "a preset without a published size here, or the reverse"
+    for name, (_, preset) in presets.items():
+        config = build_config(name, layers=preset.config["num_hidden_layers"], vocab=preset.config["vocab_size"],
+                              dtype=torch.bfloat16,
+                              special_ids={})
+        total = sum(torch.Size(p.shape).numel() for p in plan_tensors(name, config)) / 1e9
+        assert total == pytest.approx(PUBLISHED_BILLIONS[name], rel=0.015), f"{name}: {total:.2f}B planned"

@@ -14,6 +14,20 @@ def spread_weights_(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def rel_err(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """max |ours - theirs| / max |theirs|: the logits tolerance of the model tests."""
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
+
+
+def min_router_margin(model, ids, top_k=2) -> float:
+    """Smallest gap, over MoE layers and tokens, between the k-th and (k+1)-th routing probabilities of a transformers
+    model (a near tie lets bf16 rounding pick a different expert, and one rerouted token moves the logits by ~10%)."""
+    with torch.no_grad():
+        router_logits = model(ids, output_router_logits=True).router_logits  # per MoE layer [T, E]
+    probs = [r.float().softmax(-1).sort(-1, descending=True).values for r in router_logits]
+    return min((p[:, top_k - 1] - p[:, top_k]).min().item() for p in probs)
+
+
 def greedy_without_cache(ours, theirs, prompt: torch.Tensor, steps: int = 8) -> tuple[list, list]:
     """`steps` greedy tokens from our model and transformers' one, each re-running the whole sequence per step
     (no KV cache). prompt [1, T] -> both token lists, prompt included."""

@@ -120,13 +120,13 @@ def _cmd_bench_serve(args) -> int:
     from cpumoe.bench.serve.client import Target, list_models
     from cpumoe.bench.serve.datasets import Tokenizer
     from cpumoe.bench.serve.report import print_report
-    from cpumoe.cli import _console
+    from cpumoe.cli_args import stdout_console
 
     base_url = _base_url(args.base_url)
     goodput = dict(args.goodput) if args.goodput else None
     if args.dataset != "random" and not Path(args.dataset).is_file():
         _fail(f"--dataset must be random or a JSONL file; {args.dataset} is not a file")
-    console = _console()
+    console = stdout_console()
 
     tokenizer = None
     tokenizer_path = args.tokenizer

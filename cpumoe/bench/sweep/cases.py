@@ -35,18 +35,18 @@ LOAD_S_PER_GB = 4.0
 @dataclass(frozen=True, slots=True)
 class LayerUnit:
     """One layer shape (the skeleton's routing and activation, `shape`'s sizes), one weight format, one experts
-    path, timed at each of `tokens`."""
+    backend, timed at each of `tokens`."""
     bench: ClassVar[str] = "layer"
     skeleton: LayerPreset
     shape: Shape
     format: str              # as `bench layer --dtype` takes it: bf16, fp32, int8, int4_w4a16, ...
     group_size: int
-    impl: str                # "fused" (the oracle's path) or "naive"
-    path: str                # the path that runs; "none" when no path can (the unit then records errors)
+    impl: str                # "fused" (the oracle's backend) or "naive"
+    backend: str             # the backend that runs; "none" when no backend can (the unit then records errors)
     tokens: tuple[int, ...]
     threads: int
     quick: bool = True
-    refusal: str = ""        # why no path can run it (path "none")
+    refusal: str = ""        # why no backend can run it (backend "none")
 
     @property
     def preset(self) -> LayerPreset:
@@ -61,12 +61,13 @@ class LayerUnit:
     @property
     def label(self) -> str:
         s = self.shape
-        return f"H={s.hidden} I={s.inter} E={s.experts} k={s.top_k} {self.format_label} {self.path}"
+        return f"H={s.hidden} I={s.inter} E={s.experts} k={s.top_k} {self.format_label} {self.backend}"
 
     def cases(self) -> list[dict[str, Any]]:
         s = self.shape
         return [layer_case(preset=self.skeleton.name, hidden=s.hidden, inter=s.inter, experts=s.experts,
-                           top_k=s.top_k, format=self.format_label, path=self.path, tokens=m, threads=self.threads)
+                           top_k=s.top_k, format=self.format_label, backend=self.backend, tokens=m,
+                           threads=self.threads)
                 for m in self.tokens]
 
     def keep(self, cases: list[dict[str, Any]]) -> LayerUnit:
@@ -83,9 +84,9 @@ class LayerUnit:
         if fmt.quant is not None:   # the quantized stack, and the quantizers' float32 temporaries of a chunk
             need += lb.quantized_nbytes(preset, fmt)
             need += 2 * min(lb.QUANTIZE_CHUNK, preset.experts) * 3 * preset.hidden * preset.inter * 4
-        if self.path != "none":
+        if self.backend != "none":
             try:
-                need += lb.case_nbytes(preset, lb.Case(fmt, self.path))
+                need += lb.case_nbytes(preset, lb.Case(fmt, self.backend))
             except ValueError:   # a shape the format cannot take: the run says so as an error row
                 pass
         M, k, H, I, E = max(self.tokens), preset.top_k, preset.hidden, preset.inter, preset.experts
@@ -129,10 +130,10 @@ class SyntheticModel:
     overrides: tuple[tuple[str, Any], ...] = ()
 
     def config_overrides(self) -> dict[str, Any]:
-        from cpumoe.synthetic import MODELS
-        spec = MODELS[self.preset]
-        return dict(self.overrides, hidden_size=self.shape.hidden, num_experts_per_tok=self.shape.top_k,
-                    **{spec.inter_field: self.shape.inter, spec.experts_field: self.shape.experts})
+        from cpumoe.synthetic.checkpoint import layer_shape_overrides
+        return dict(self.overrides, **layer_shape_overrides(self.preset, hidden=self.shape.hidden,
+                                                            inter=self.shape.inter, experts=self.shape.experts,
+                                                            top_k=self.shape.top_k))
 
     def weights_bytes(self) -> tuple[int, int]:
         """(bytes of every tensor, bytes of the largest shard make_checkpoint writes)."""
@@ -147,8 +148,8 @@ class SyntheticModel:
         return sum(sizes), min(sum(sizes), max(MAX_SHARD_BYTES, max(sizes)))
 
     def kv_bytes_per_token(self) -> int:
-        from cpumoe.synthetic import MODELS
-        config = dict(MODELS[self.preset].config, **dict(self.overrides))
+        from cpumoe.synthetic.checkpoint import preset_config
+        config = dict(preset_config(self.preset), **dict(self.overrides))
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or self.shape.hidden // heads
         return 2 * self.layers * config["num_key_value_heads"] * head_dim * 2

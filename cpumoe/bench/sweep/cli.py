@@ -76,7 +76,7 @@ def _skeleton(args):
 
 
 def add_parser(subparsers) -> None:
-    from cpumoe.cli import _weight_formats
+    from cpumoe.cli_args import weight_formats
 
     sweep = subparsers.add_parser("sweep", help="the MoE-Inference-Bench sweeps (resumable, memory-checked, on Ray)")
     kinds = sweep.add_subparsers(dest="sweep", required=True, metavar="SWEEP")
@@ -117,10 +117,10 @@ def add_parser(subparsers) -> None:
                        help=f"output lengths (default {output_len}; paper: 128,256,512,1024,2048)")
 
     p = kinds.add_parser("layer", help="the fused MoE layer over the architecture axes")
-    common(p, impl_help="experts impls, comma-separated: fused (the oracle's path; default), naive")
+    common(p, impl_help="experts impls, comma-separated: fused (the oracle's backend; default), naive")
     shape_axes(p)
     p.add_argument("--tokens", type=positive_ints, help="token counts M (paper: 1,16,32,64)")
-    p.add_argument("--dtype", type=_weight_formats, default=["bf16"],
+    p.add_argument("--dtype", type=weight_formats, default=["bf16"],
                    help="weight formats as `bench layer` takes them: bf16 (default), fp32, fp16, int8, int4, fp8, "
                         "mxfp4")
     p.add_argument("--group-size", type=int, default=128, help="int4 group / fp8 k block (default 128)")
@@ -215,12 +215,12 @@ def _cmd_layer(args) -> int:
 
 def _cmd_arch_model(args) -> int:
     from cpumoe.bench.sweep.plan import arch_model_units
-    from cpumoe.synthetic import MODELS, tiny_overrides
+    from cpumoe.synthetic.checkpoint import layer_shape_overrides, preset_config, preset_names, tiny_overrides
     from cpumoe.synthetic.tokenizer import MIN_VOCAB
 
     _check_common(args)
-    if args.skeleton not in MODELS:
-        _fail(args, f"no synthetic checkpoint for skeleton {args.skeleton!r}; known: {', '.join(MODELS)}")
+    if args.skeleton not in preset_names():
+        _fail(args, f"no synthetic checkpoint for skeleton {args.skeleton!r}; known: {', '.join(preset_names())}")
     if args.layers < 1:
         _fail(args, f"--layers must be positive, got {args.layers}")
     if args.vocab < MIN_VOCAB:
@@ -234,10 +234,16 @@ def _cmd_arch_model(args) -> int:
         overrides = {k: v for k, v in tiny_overrides(args.skeleton).items() if k not in keep}
     skeleton = _skeleton(args)
     shapes = _shapes(args, skeleton)
-    heads = (overrides or MODELS[args.skeleton].config)["num_attention_heads"]
+    heads = (overrides or preset_config(args.skeleton))["num_attention_heads"]
     odd = [s.hidden for s in shapes if s.hidden % heads]
     if odd:
         _fail(args, f"hidden size {odd[0]} is not a multiple of the {heads} attention heads of {args.skeleton}")
+    for shape in shapes:  # a shape the architecture's config cannot say (Phi-3.5-MoE routes to exactly 2 experts)
+        try:
+            layer_shape_overrides(args.skeleton, hidden=shape.hidden, inter=shape.inter, experts=shape.experts,
+                                  top_k=shape.top_k)
+        except ValueError as e:
+            _fail(args, str(e))
     units = arch_model_units(args.skeleton, shapes, args.dtype, args.experts, _runs(args, ARCH_MODEL_RUNS),
                              _options(args),
                              layers=args.layers, vocab=args.vocab, tmp_dir=args.tmp_dir, overrides=overrides)
@@ -260,10 +266,10 @@ def _run(args, units) -> int:
     from cpumoe.bench.sweep.memory import MemoryPolicy
     from cpumoe.bench.sweep.report import print_plan, print_summary
     from cpumoe.bench.sweep.runner import SweepError, cluster_machines, connect_ray, pending_units, run_sweep
-    from cpumoe.cli import _console
+    from cpumoe.cli_args import stdout_console
     from rich.console import Console
 
-    console = _console()
+    console = stdout_console()
     try:
         db = None if args.no_db else ResultsDB(args.db)
     except ValueError as e:   # a file that is not a results database

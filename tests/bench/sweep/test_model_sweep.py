@@ -64,7 +64,9 @@ def test_model_sweep_bad_input(tmp_path, capsys):
         main(["bench", "sweep", "model", str(tmp_path / "nope"), "--batch", "1", "--input-len", "4",
               "--output-len", "2"])
     with pytest.raises(SystemExit, match="cpumoe bench sweep arch-model: error: no synthetic checkpoint"):
-        main(["bench", "sweep", "arch-model", "--skeleton", "phi-3.5-moe"])
+        main(["bench", "sweep", "arch-model", "--skeleton", "no-such-model"])
+    with pytest.raises(SystemExit, match="arch-model: error: phimoe: sparsemixer routes every token to 2 experts"):
+        main(["bench", "sweep", "arch-model", "--skeleton", "phi-3.5-moe"])   # the paper grid's top-k axis has 1
     with pytest.raises(SystemExit, match="--vocab must be at least 259"):
         main(ARCH + ["--vocab", "100"])
     with pytest.raises(SystemExit) as exit_:

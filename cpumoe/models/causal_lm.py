@@ -1,0 +1,89 @@
+"""The one causal LM every architecture is: modules the Architecture names, assembled.
+
+    input_ids -> arch.embedding -> arch.layer(0 .. N-1) -> arch.final_norm -> lm_head (or the tied embedding)
+              -> arch.final_logits -> float32 logits
+
+Two ways in: the whole sequence without a cache (input_ids [B, T] or [T]; reference and tests), or one engine step
+of flat tokens of several sequences with an AttentionContext (the paged KV cache), where logits come only for the
+rows in `logits_indices` (one per sampling sequence).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from cpumoe.attention import AttentionContext, KVCacheLayout
+from cpumoe.models.architecture import Architecture
+from cpumoe.models.packed_linear import PackedLinear, QuantizedLinear
+
+
+class DecoderModel(nn.Module):
+    """embed_tokens -> layers -> norm (transformers' `model.` prefix of the checkpoint names)."""
+
+    def __init__(self, embed_tokens: nn.Module, layers: list[nn.Module], norm: nn.Module):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+    def forward(self, input_ids: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
+        # no context: [B, T] -> [B, T, H]; with context: flat [T] -> [T, H]
+        positions = torch.arange(input_ids.shape[-1]) if context is None else context.positions  # [T]
+        x = self.embed_tokens(input_ids)  # [B, T, H] or [T, H]
+        for layer in self.layers:
+            x = layer(x, positions, context)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, arch: Architecture, config: Any, backend: str = "auto"):
+        super().__init__()
+        self.arch, self.config = arch, config
+        self.model = DecoderModel(arch.embedding(config),
+                                  [arch.layer(config, i, backend) for i in range(config.num_hidden_layers)],
+                                  arch.final_norm(config))
+        # tied: logits use embed_tokens.weight; the checkpoint's lm_head.weight, if any, is not read
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=getattr(config, "lm_head_bias", False)))
+
+    @property
+    def kv_cache_layout(self) -> KVCacheLayout:
+        return self.arch.kv_cache_layout(self.config)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, context: AttentionContext | None = None,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """No context: [B, T] or [T] -> float32 [B, T, V] or [T, V], the whole sequence without a cache.
+        With context: flat [T] -> float32 [len(logits_indices), V] (all T rows when logits_indices is None)."""
+        if context is not None:
+            h = self.model(input_ids, context)  # [T, H]
+            return self.compute_logits(h if logits_indices is None else h[logits_indices])
+        squeeze = input_ids.dim() == 1
+        ids = input_ids[None] if squeeze else input_ids  # [B, T]
+        logits = self.compute_logits(self.model(ids))  # [B, T, V]
+        return logits[0] if squeeze else logits
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> float32 [..., V]
+        if self.lm_head is None:  # tied to the embedding table [V, H]
+            logits = torch.nn.functional.linear(h, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(h).float()
+        return self.arch.final_logits(self.config, logits)
+
+    def make_batch_invariant(self) -> None:
+        """Make every token's result independent of the other tokens in its step and of how its prompt is chunked
+        (the engine's batch_invariant): attention runs as cpumoe.attention.row_attention, and the products that
+        torch's GEMMs would compute (float32 routers, MLA's absorbed heads, a tied lm_head) get copies packed for
+        cpumoe's linear kernel, whose rows never depend on how many there are. The experts and the packed
+        projections are so already. Each module that needs it has a make_batch_invariant of its own."""
+        torch_gemms = [name for name, m in self.named_modules() if type(m) is nn.Linear
+                       or (isinstance(m, QuantizedLinear) and m.packed_weight is None)]
+        if torch_gemms:
+            raise ValueError(f"batch invariance needs cpumoe's kernels for every projection; {torch_gemms[0]} runs on "
+                             "torch's GEMM (backend 'naive', or a dtype or format no native backend takes)")
+        for module in [m for m in self.modules() if m is not self and hasattr(m, "make_batch_invariant")]:
+            module.make_batch_invariant()
+        if self.lm_head is None:
+            self.lm_head = PackedLinear(self.model.embed_tokens.weight)
