@@ -1,7 +1,8 @@
 """Every architecture cpumoe runs, by config.json's model_type: one line each."""
 from __future__ import annotations
 
-from cpumoe.models import deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
+from cpumoe.models import (deepseek_v2, deepseek_v3, gemma4, glm4_moe, gpt_oss, llama4, mixtral, olmoe, phimoe,
+                           qwen2_moe, qwen3_moe)
 from cpumoe.models.architecture import Architecture, ModelPreset
 
 # in the order `cpumoe make-model --help` and the layer presets list them (the default checkpoint's first)
@@ -13,6 +14,10 @@ ARCHITECTURES: dict[str, Architecture] = {arch.model_type: arch for arch in (
     deepseek_v3.ARCHITECTURE,
     mixtral.ARCHITECTURE,
     gpt_oss.ARCHITECTURE,
+    llama4.ARCHITECTURE,
+    glm4_moe.ARCHITECTURE,
+    phimoe.ARCHITECTURE,
+    gemma4.ARCHITECTURE,
 )}
 
 
