@@ -248,3 +248,43 @@ class Checkpoint(CheckpointConfig):
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}, model_type={self.config.get('model_type')!r}, tensors={len(self._file_of)})"
+
+
+class CheckpointView(Checkpoint):
+    """Some tensors of a checkpoint under other names, with a config.json of their own: the language model inside a
+    multimodal checkpoint, read as a text-only one. `names` maps each name as read to its name on disk; reads go to
+    the whole checkpoint's files, and a missing tensor is named as it is on disk."""
+
+    def __init__(self, whole: Checkpoint, config: dict, names: dict[str, str]):
+        CheckpointConfig.__init__(self, whole.path, config)
+        self.whole, self._disk_name = whole, names
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.whole.weights_bytes
+
+    def keys(self) -> list[str]:
+        return list(self._disk_name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._disk_name
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.whole.get(self._name(name))
+
+    def read(self, name: str, out: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
+        return self.whole.read(self._name(name), out=out, index=index)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.whole.shape(self._name(name))
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.whole.dtype(self._name(name))
+
+    def _name(self, name: str) -> str:
+        if name not in self._disk_name:
+            raise CheckpointError(f"tensor {name!r} of the {self.model_type} model not found in checkpoint {self.path}")
+        return self._disk_name[name]
+
+    def __repr__(self) -> str:
+        return f"CheckpointView({str(self.path)!r}, {self.model_type}, tensors={len(self._disk_name)})"

@@ -35,6 +35,7 @@ from torch import nn
 
 from cpumoe.attention import KVCacheLayout
 from cpumoe.loader import Checkpoint, CheckpointConfig, CheckpointError
+from cpumoe.loader.checkpoint import CheckpointView
 from cpumoe.logs import logger
 from cpumoe.models.architecture import Architecture, ModelPreset
 from cpumoe.models.blocks import MoEBlock
@@ -238,41 +239,16 @@ def _rope(get, where: str, layer_types: set[str]) -> dict[str, RopeSpec]:
     return specs
 
 
-class LanguageModelCheckpoint(Checkpoint):
+def language_model(ckpt: Checkpoint) -> CheckpointView:
     """The text decoder inside a gemma4 checkpoint as a gemma4_text one: config.json's text_config (text_config())
     and the tensors model.language_model.X under the names model.X (lm_head.weight as it is). The vision and audio
-    towers and their projections are not in it. Reads go to the whole checkpoint's files."""
-
-    def __init__(self, ckpt: Checkpoint):
-        if ckpt.config_get("quantization_config", default=None):
-            raise CheckpointError(f"{ckpt.path}: quantization_config: quantized multimodal gemma4 checkpoints are "
-                                  "not supported; a gemma4_text checkpoint of the text decoder is")
-        CheckpointConfig.__init__(self, ckpt.path, text_config(ckpt).config)
-        self.whole = ckpt
-        self._disk_name = {("model." + name.removeprefix(TEXT_PREFIX)) if name.startswith(TEXT_PREFIX) else name: name
-                           for name in ckpt.keys() if name.startswith(TEXT_PREFIX) or name == "lm_head.weight"}
-        self._file_of = {name: ckpt._file_of[disk] for name, disk in self._disk_name.items()}
-
-    @property
-    def weights_bytes(self) -> int:
-        return self.whole.weights_bytes
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.whole.get(self._name(name))
-
-    def read(self, name: str, out: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
-        return self.whole.read(self._name(name), out=out, index=index)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.whole.shape(self._name(name))
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self.whole.dtype(self._name(name))
-
-    def _name(self, name: str) -> str:
-        if name not in self._disk_name:
-            raise CheckpointError(f"tensor {name!r} (text decoder) not found in checkpoint {self.path}")
-        return self._disk_name[name]
+    towers and their projections are not in it."""
+    if ckpt.config_get("quantization_config", default=None):
+        raise CheckpointError(f"{ckpt.path}: quantization_config: quantized multimodal gemma4 checkpoints are "
+                              "not supported; a gemma4_text checkpoint of the text decoder is")
+    names = {("model." + name.removeprefix(TEXT_PREFIX)) if name.startswith(TEXT_PREFIX) else name: name
+             for name in ckpt.keys() if name.startswith(TEXT_PREFIX) or name == "lm_head.weight"}
+    return CheckpointView(ckpt, text_config(ckpt).config, names)
 
 
 class Gemma4Architecture(Architecture):
@@ -308,7 +284,7 @@ class Gemma4Architecture(Architecture):
     def open_checkpoint(self, ckpt: Checkpoint) -> Checkpoint:
         if ckpt.model_type != "gemma4":
             return ckpt
-        text = LanguageModelCheckpoint(ckpt)
+        text = language_model(ckpt)
         skipped = sorted({key.split(".")[1] if key.startswith("model.") else key.split(".")[0]
                           for key in ckpt.keys() if not key.startswith(TEXT_PREFIX) and key != "lm_head.weight"})
         logger.info("%s: a multimodal gemma4 checkpoint: its text decoder is loaded, %s skipped (text is the only "

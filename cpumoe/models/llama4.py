@@ -35,6 +35,7 @@ from cpumoe.attention import (AttentionContext, DecodeBatch, causal_attention, d
                               row_attention)
 from cpumoe.layer import FusedMoE
 from cpumoe.loader import Checkpoint, CheckpointConfig, CheckpointError
+from cpumoe.loader.checkpoint import CheckpointView
 from cpumoe.logs import logger
 from cpumoe.models.architecture import Architecture, DecoderLayer, ModelPreset
 from cpumoe.models.blocks import ExpertWeights, GatedMLP, MoEBlock, RMSNorm, RotaryEmbedding, apply_rotary
@@ -91,51 +92,17 @@ def text_config(ckpt: CheckpointConfig) -> CheckpointConfig:
     return CheckpointConfig(ckpt.path, {"model_type": "llama4_text", **text})
 
 
-class LanguageModelCheckpoint(Checkpoint):
+def language_model(ckpt: Checkpoint) -> CheckpointView:
     """The language model of a multimodal llama4 checkpoint as a llama4_text one: config.json's text_config (with
     the top level's dtype), and the tensors under language_model. by their names without it (model.layers.0...,
-    lm_head.weight). The vision tower and the projector are not in it. Reads go to the whole checkpoint."""
-
-    def __init__(self, ckpt: Checkpoint):
-        if ckpt.config_get("quantization_config", default=None):
-            raise CheckpointError(f"{ckpt.path}: quantized multimodal llama4 checkpoints (quantization_config) are "
-                                  "not supported; a llama4_text checkpoint of the language model is")
-        text = text_config(ckpt).config
-        dtype = {k: ckpt.config[k] for k in ("dtype", "torch_dtype") if k in ckpt.config and k not in text}
-        CheckpointConfig.__init__(self, ckpt.path, {**text, **dtype})
-        self.whole = ckpt
-        self._names = dict.fromkeys(name.removeprefix(LANGUAGE_MODEL) for name in ckpt.keys()
-                                    if name.startswith(LANGUAGE_MODEL))
-
-    @property
-    def weights_bytes(self) -> int:
-        return self.whole.weights_bytes
-
-    def keys(self) -> list[str]:
-        return list(self._names)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._names
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.whole.get(self._name(name))
-
-    def read(self, name: str, out: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
-        return self.whole.read(self._name(name), out=out, index=index)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.whole.shape(self._name(name))
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self.whole.dtype(self._name(name))
-
-    def _name(self, name: str) -> str:
-        if name not in self._names:
-            raise CheckpointError(f"tensor {LANGUAGE_MODEL + name!r} not found in checkpoint {self.path}")
-        return LANGUAGE_MODEL + name
-
-    def __repr__(self) -> str:
-        return f"LanguageModelCheckpoint({str(self.path)!r}, tensors={len(self._names)})"
+    lm_head.weight). The vision tower and the projector are not in it."""
+    if ckpt.config_get("quantization_config", default=None):
+        raise CheckpointError(f"{ckpt.path}: quantized multimodal llama4 checkpoints (quantization_config) are "
+                              "not supported; a llama4_text checkpoint of the language model is")
+    text = text_config(ckpt).config
+    dtype = {k: ckpt.config[k] for k in ("dtype", "torch_dtype") if k in ckpt.config and k not in text}
+    names = {name.removeprefix(LANGUAGE_MODEL): name for name in ckpt.keys() if name.startswith(LANGUAGE_MODEL)}
+    return CheckpointView(ckpt, {**text, **dtype}, names)
 
 
 def parse_config(ckpt: CheckpointConfig) -> Llama4Config:
@@ -434,7 +401,7 @@ class Llama4TextArchitecture(Architecture):
         skipped = sum(not name.startswith(LANGUAGE_MODEL) for name in ckpt.keys())
         logger.info("%s: llama4 multimodal checkpoint: loading its language model (text only); the vision tower "
                     "and projector (%d tensors) are skipped", ckpt.path, skipped)
-        return LanguageModelCheckpoint(ckpt)
+        return language_model(ckpt)
 
     def layer(self, config: Llama4Config, index: int, backend: str) -> nn.Module:
         c = config

@@ -8,7 +8,6 @@ from cpumoe.bench import profile
 from cpumoe.bench.model import ModelCase, engine_config
 from cpumoe.cli import main
 from cpumoe.engine import LLMEngine
-from cpumoe.models import blocks
 from cpumoe.synthetic.checkpoint import make_checkpoint, tiny_overrides
 
 

@@ -1,30 +1,10 @@
 """The BlockManager on its own, with fake sequences: blocks needed at block boundaries, allocate/free accounting,
 can_allocate exactly when enough blocks are free, freeing twice, reference-counted shared prefix blocks and the order
 in which cached free blocks are handed out again."""
-from dataclasses import dataclass, field
-
 import pytest
 
 from cpumoe.engine.kv_cache import BlockManager
-
-
-@dataclass(eq=False)
-class Seq:
-    token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-def computed(bm: BlockManager, seq: Seq) -> None:
-    """As a step that computes the whole of seq: blocks allocated, tokens computed, full blocks registered."""
-    bm.allocate(seq, seq.num_tokens)
-    seq.num_computed_tokens = seq.num_tokens
-    bm.register(seq)
+from tests.engine.fake_sequences import Seq, computed
 
 
 @pytest.mark.parametrize("tokens, blocks", [(0, 0), (1, 1), (3, 1), (4, 1), (5, 2), (8, 2), (9, 3)])

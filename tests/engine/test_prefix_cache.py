@@ -2,8 +2,6 @@
 written), outputs are those without caching, and every block comes back; the block manager's keys, matches and
 evictions on their own.
 """
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
@@ -11,29 +9,11 @@ transformers = pytest.importorskip("transformers")
 
 from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from cpumoe.engine.kv_cache import BlockManager  # noqa: E402
+from tests.engine.fake_sequences import Seq, computed  # noqa: E402
 from tests.models import test_qwen3_moe  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SHARED = list(range(40, 58))                      # 18 tokens: four full blocks of 4, and two more
-
-
-@dataclass(eq=False)
-class Seq:
-    token_ids: list[int]
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-def computed(bm: BlockManager, seq: Seq) -> None:
-    """As a step that computes the whole prompt: blocks allocated, tokens computed, full blocks registered."""
-    bm.allocate(seq, seq.num_tokens)
-    seq.num_computed_tokens = seq.num_tokens
-    bm.register(seq)
 
 
 def test_match_shares_full_blocks_and_leaves_the_last_token():

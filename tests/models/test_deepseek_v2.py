@@ -21,8 +21,8 @@ from cpumoe.loader import Checkpoint, CheckpointError  # noqa: E402
 from cpumoe.models import ARCHITECTURES, load_model  # noqa: E402
 from cpumoe.models.blocks import GatedMLP  # noqa: E402
 from cpumoe.models.deepseek_v2 import DeepseekV2MoE  # noqa: E402
-from tests.models.tiny import min_router_margin, rel_err  # noqa: E402
-from tests.models.tiny import engine_greedy, greedy_without_cache, spread_weights_  # noqa: E402
+from tests.models.tiny import (engine_greedy, generate_reference, greedy_without_cache, min_router_margin,
+                               prefill_error, rel_err, spread_weights_)  # noqa: E402
 
 TOL = 1e-4
 PROMPT = torch.tensor([[111, 87, 25, 71, 115, 92, 74, 62, 46, 32, 88]])  # [1, T]
@@ -95,11 +95,7 @@ def test_registered_and_layers(pair):
 def test_prefill_logits_match(pair):
     name, model, path = pair
     assert min_router_margin(model, PROMPT) > 1e-4, "routing near-tie (fp32 noise is ~1e-6): the prompt no longer suits this test"
-    with torch.no_grad():
-        theirs = model(PROMPT).logits  # [1, T, V]
-    out = load_model(path)(PROMPT)
-    assert out.dtype == torch.float32 and out.shape == theirs.shape
-    err = rel_err(out, theirs)
+    err = prefill_error(path, model, PROMPT)
     assert err <= TOL, f"{name}: max abs diff / max |logit| = {err:.2e} > {TOL:.0e}"
 
 
@@ -112,9 +108,8 @@ def test_greedy_decode_matches(pair):
 @pytest.mark.parametrize("budget", [512, 4], ids=["whole-prompt", "chunks-of-4"])
 def test_engine_greedy_matches_generate(pair, budget):
     name, model, path = pair
-    with torch.no_grad():
-        ref = model.generate(PROMPT, do_sample=False, max_new_tokens=10)[0, PROMPT.shape[1]:]
-    assert engine_greedy(path, [PROMPT[0].tolist()], budget=budget) == [ref.tolist()], f"{name}, budget {budget}"
+    ref = generate_reference(model, PROMPT)
+    assert engine_greedy(path, [PROMPT[0].tolist()], budget=budget) == [ref], f"{name}, budget {budget}"
 
 
 def test_latent_cache_bytes_v2_lite():

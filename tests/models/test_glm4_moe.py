@@ -23,7 +23,8 @@ from cpumoe.models import load_model  # noqa: E402
 from cpumoe.models.blocks import GatedMLP  # noqa: E402
 from cpumoe.models.deepseek_v3 import DeepseekV3MoE  # noqa: E402
 from cpumoe.models.glm4_moe import ARCHITECTURE, PartialRotaryAttention  # noqa: E402
-from tests.models.tiny import engine_greedy, greedy_without_cache, rel_err, spread_weights_  # noqa: E402
+from tests.models.tiny import (engine_greedy, generate_reference, greedy_without_cache, prefill_error, rel_err,
+                               spread_weights_)  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 PROMPT = torch.tensor([[111, 87, 25, 71, 115, 92, 74, 62, 46, 32, 88]])  # [1, T]
@@ -168,11 +169,7 @@ def test_bias_and_grouping_change_the_choice_and_no_near_ties(pair):
 
 def test_prefill_logits_match(pair):
     name, model, path = pair
-    with torch.no_grad():
-        theirs = model(PROMPT).logits  # [1, T, V]
-    out = load_model(path)(PROMPT)
-    assert out.dtype == torch.float32 and out.shape == theirs.shape
-    err = rel_err(out, theirs)
+    err = prefill_error(path, model, PROMPT)
     assert err <= TOL[torch.float32], f"{name}: max abs diff / max |logit| = {err:.2e} > {TOL[torch.float32]:.0e}"
 
 
@@ -185,9 +182,8 @@ def test_greedy_decode_matches(pair):
 @pytest.mark.parametrize("budget", [512, 4], ids=["whole-prompt", "chunks-of-4"])
 def test_engine_greedy_matches_generate(pair, budget):
     name, model, path = pair
-    with torch.no_grad():
-        ref = model.generate(PROMPT, do_sample=False, max_new_tokens=10)[0, PROMPT.shape[1]:]
-    assert engine_greedy(path, [PROMPT[0].tolist()], budget=budget) == [ref.tolist()], f"{name}, budget {budget}"
+    ref = generate_reference(model, PROMPT)
+    assert engine_greedy(path, [PROMPT[0].tolist()], budget=budget) == [ref], f"{name}, budget {budget}"
 
 
 @pytest.mark.parametrize("budget", [512, 4], ids=["whole-prompt", "chunks-of-4"])

@@ -19,7 +19,7 @@ from cpumoe.engine.config import SpeculativeConfig  # noqa: E402
 from cpumoe.loader import Checkpoint, CheckpointConfig, CheckpointError  # noqa: E402
 from cpumoe.models import CausalLM, load_model  # noqa: E402
 from cpumoe.models.blocks import MoEBlock  # noqa: E402
-from cpumoe.models.llama4 import ARCHITECTURE, LanguageModelCheckpoint, parse_config  # noqa: E402
+from cpumoe.models.llama4 import ARCHITECTURE, language_model, parse_config  # noqa: E402
 from tests.models.tiny import greedy_without_cache, rel_err, spread_weights_  # noqa: E402
 
 TOL = 1e-4
@@ -130,7 +130,7 @@ def test_multimodal_checkpoint_runs_its_language_model(tmp_path, caplog):
     model.save_pretrained(tmp_path)
     whole = Checkpoint(tmp_path)
     assert whole.model_type == "llama4" and any(k.startswith("vision_model.") for k in whole.keys())
-    text = LanguageModelCheckpoint(whole)
+    text = language_model(whole)
     config = ARCHITECTURE.config(text)
     assert config == ARCHITECTURE.config(whole)  # text_config read alike from the whole config.json
     with torch.device("meta"):
@@ -143,13 +143,13 @@ def test_multimodal_checkpoint_runs_its_language_model(tmp_path, caplog):
         ours = load_model(tmp_path)
     assert "vision tower" in caplog.text
     # the reference is its language model: transformers' Llama4ForConditionalGeneration.forward fails without images
-    language_model = model.language_model
+    theirs_model = model.language_model
     with torch.no_grad():
-        theirs = language_model(PROMPT).logits
+        theirs = theirs_model(PROMPT).logits
     assert rel_err(ours(PROMPT), theirs) <= TOL
     llm = LLMEngine(tmp_path, config=EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=4))
     out = llm.generate([PROMPT[0].tolist()], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
-    assert out.new_token_ids == generate(language_model, PROMPT)
+    assert out.new_token_ids == generate(theirs_model, PROMPT)
 
 
 def test_quantized_multimodal_checkpoint_is_refused(tmp_path):

@@ -28,6 +28,23 @@ def min_router_margin(model, ids, top_k=2) -> float:
     return min((p[:, top_k - 1] - p[:, top_k]).min().item() for p in probs)
 
 
+def prefill_error(path, theirs, prompt: torch.Tensor) -> float:
+    """rel_err of cpumoe's float32 prefill logits (the checkpoint at path) against transformers' model's on prompt
+    [1, T]; the shapes and dtype checked on the way."""
+    from cpumoe.models import load_model
+    with torch.no_grad():
+        expected = theirs(prompt).logits.float()  # [1, T, V]
+    out = load_model(path)(prompt)
+    assert out.dtype == torch.float32 and out.shape == expected.shape
+    return rel_err(out, expected)
+
+
+def generate_reference(theirs, prompt: torch.Tensor, tokens: int = 10) -> list[int]:
+    """transformers' greedy continuation of prompt [1, T] (its own KV cache)."""
+    with torch.no_grad():
+        return theirs.generate(prompt, do_sample=False, max_new_tokens=tokens)[0, prompt.shape[1]:].tolist()
+
+
 def greedy_without_cache(ours, theirs, prompt: torch.Tensor, steps: int = 8) -> tuple[list, list]:
     """`steps` greedy tokens from our model and transformers' one, each re-running the whole sequence per step
     (no KV cache). prompt [1, T] -> both token lists, prompt included."""
