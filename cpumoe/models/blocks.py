@@ -55,10 +55,13 @@ class RotaryEmbedding(nn.Module):
     (inv_freq[i] = theta^(-2i/d), factor 1), else a rope dict (linear, yarn, llama3; see rope.rope_from_config).
     inv_freq is a plain float32 CPU tensor, not a buffer: models are built on the meta device, and it stays fp32."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None, *,
+                 frequencies: tuple[torch.Tensor, float] | None = None):
+        """frequencies: (inv_freq [d/2], attention factor) an architecture computes itself (Phi-3.5-MoE's longrope,
+        Gemma 4's proportional RoPE), in place of rope.py's for `scaling`, which then only names them."""
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self.inv_freq, self.attention_factor = rope_parameters(head_dim, theta, scaling)  # [d/2], float
+        self.inv_freq, self.attention_factor = frequencies or rope_parameters(head_dim, theta, scaling)  # [d/2], float
 
     @property
     def cache_key(self) -> tuple:

@@ -77,15 +77,11 @@ def rope_inv_freq(head_dim: int, spec: RopeSpec) -> torch.Tensor:
     return inv_freq / spec.factor
 
 
-class LayerRotary(RotaryEmbedding):
+def layer_rotary(head_dim: int, spec: RopeSpec) -> RotaryEmbedding:
     """blocks.RotaryEmbedding (rotate-half cos/sin [T, d]) over rope_inv_freq's frequencies."""
-
-    def __init__(self, head_dim: int, spec: RopeSpec):
-        nn.Module.__init__(self)
-        self.head_dim, self.theta = head_dim, spec.theta
-        self.scaling = None if spec.kind == "default" else {
-            "rope_type": spec.kind, "partial_rotary_factor": spec.partial_rotary_factor, "factor": spec.factor}
-        self.inv_freq, self.attention_factor = rope_inv_freq(head_dim, spec), 1.0
+    scaling = None if spec.kind == "default" else {
+        "rope_type": spec.kind, "partial_rotary_factor": spec.partial_rotary_factor, "factor": spec.factor}
+    return RotaryEmbedding(head_dim, spec.theta, scaling, frequencies=(rope_inv_freq(head_dim, spec), 1.0))
 
 
 class Gemma4Attention(nn.Module):
@@ -113,7 +109,7 @@ class Gemma4Attention(nn.Module):
         self.q_norm = GemmaRMSNorm(d, c.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, c.rms_norm_eps)
         self.v_norm = UnitRMSNorm(c.rms_norm_eps)
-        self.rotary = LayerRotary(d, c.rope[c.layer_types[layer]])
+        self.rotary = layer_rotary(d, c.rope[c.layer_types[layer]])
         self.sliding_window = c.sliding_window if sliding else None
         self.cache_heads = c.kv_cache_channels // d
         self.batch_invariant = False  # paged forward: row_attention instead of paged_attention

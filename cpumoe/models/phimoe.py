@@ -168,18 +168,14 @@ def parse_rope(ckpt: CheckpointConfig, head_dim: int) -> tuple[float, dict | Non
                    "short_mscale": mscales["short_mscale"]}
 
 
-class LongRopeEmbedding(RotaryEmbedding):
+def long_rope(head_dim: int, theta: float, scaling: dict) -> RotaryEmbedding:
     """RotaryEmbedding with Phi-MoE's longrope: inv_freq[i] = 1 / (short_factor[i] * theta^(2i/d)), cos/sin times
     short_mscale; in float32 and in transformers' order of operations (_compute_longrope_parameters), so cos/sin
     agree with it bit for bit."""
-
-    def __init__(self, head_dim: int, theta: float, scaling: dict):
-        nn.Module.__init__(self)
-        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        channels = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim  # [d/2]
-        factors = torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")  # [d/2]
-        self.inv_freq = 1.0 / (factors * theta ** channels)
-        self.attention_factor = scaling["short_mscale"]
+    channels = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim  # [d/2]
+    factors = torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")  # [d/2]
+    return RotaryEmbedding(head_dim, theta, scaling,
+                           frequencies=(1.0 / (factors * theta ** channels), scaling["short_mscale"]))
 
 
 class SparseMixerMoE(MoEBlock):
@@ -242,7 +238,7 @@ class PhimoeArchitecture(Architecture):
                               qk_norm=QKNorm.NONE, norm_eps=c.rms_norm_eps, qkv_bias=c.attention_bias,
                               o_bias=c.attention_bias, sliding_window=c.sliding_window)
         if c.rope_scaling is not None:
-            attention.rotary = LongRopeEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
+            attention.rotary = long_rope(c.head_dim, c.rope_theta, c.rope_scaling)
         moe = SparseMixerMoE(hidden_size=c.hidden_size, num_experts=c.num_local_experts,
                              inter_size=c.intermediate_size, jitter_eps=c.router_jitter_noise, backend=backend)
         return DecoderLayer(index, self_attn=attention, mlp=moe, mlp_name="block_sparse_moe",

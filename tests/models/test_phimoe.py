@@ -18,7 +18,7 @@ modeling_phimoe = pytest.importorskip("transformers.models.phimoe.modeling_phimo
 from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from cpumoe.loader import CheckpointConfig, CheckpointError  # noqa: E402
 from cpumoe.models import load_model  # noqa: E402
-from cpumoe.models.phimoe import ARCHITECTURE, LongRopeEmbedding, parse_config, sparsemixer  # noqa: E402
+from cpumoe.models.phimoe import ARCHITECTURE, long_rope, parse_config, sparsemixer  # noqa: E402
 from tests.models.tiny import greedy_without_cache, rel_err, spread_weights_  # noqa: E402
 
 TOL = 1e-4
@@ -92,7 +92,7 @@ def test_longrope_cos_sin_equal_transformers_past_the_original_length():
     config = transformers.PhimoeConfig(**BASE)
     theirs = modeling_phimoe.PhimoeRotaryEmbedding(config)
     parsed = parse_config(CheckpointConfig("tiny", {"model_type": "phimoe", **config.to_dict()}))
-    ours = LongRopeEmbedding(parsed.head_dim, parsed.rope_theta, parsed.rope_scaling)
+    ours = long_rope(parsed.head_dim, parsed.rope_theta, parsed.rope_scaling)
     positions = torch.arange(40)  # original_max_position_embeddings 16
     x = torch.zeros(1, dtype=torch.float32)
     for span in (positions[:12], positions):  # the short branch, and the long one
