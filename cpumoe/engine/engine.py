@@ -75,6 +75,8 @@ class LLMEngine:
         # what fails fast, before minutes of loading: config.json and the weight headers, the context length, the
         # tokenizer (which reads config.json too: checked first, so its errors name the right file)
         hf_config = Checkpoint(self.model_path).config
+        # a multimodal checkpoint (llama4, gemma4) keeps its language model's eos ids and context in text_config
+        hf_config = {**hf_config, **(hf_config.get("text_config") or {})}
         _check_max_model_len(hf_config, config)
         self.tokenizer = None if skip_tokenizer else load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=dtype, backend=backend)

@@ -152,6 +152,14 @@ def test_multimodal_checkpoint_runs_its_language_model(tmp_path, caplog):
     assert out.new_token_ids == generate(theirs_model, PROMPT)
 
 
+def test_multimodal_checkpoint_context_is_its_language_models(tmp_path):
+    """The context the engine checks is text_config's max_position_embeddings, not the top level's."""
+    tiny_multimodal().save_pretrained(tmp_path)
+    positions = json.loads((tmp_path / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    with pytest.raises(ValueError, match=f"max_position_embeddings {positions} "):
+        LLMEngine(tmp_path, config=EngineConfig(block_size=4, num_blocks=64, max_model_len=positions + 4))
+
+
 def test_quantized_multimodal_checkpoint_is_refused(tmp_path):
     tiny_multimodal().save_pretrained(tmp_path)
     edit_config(tmp_path, quantization_config={"quant_method": "fbgemm_fp8"})
