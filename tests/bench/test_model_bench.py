@@ -6,7 +6,8 @@ import torch
 
 from cpumoe.bench.model import ModelCase, engine_config
 from cpumoe.cli import main
-from cpumoe.models import load_model
+from cpumoe.models import ARCHITECTURES, load_model, model_presets
+from cpumoe.models.blocks import MoEBlock
 from cpumoe.synthetic.checkpoint import make_checkpoint, tiny_overrides
 
 
@@ -99,3 +100,23 @@ def test_bench_model_batch_invariant_side_by_side(tmp_path, capsys):
     assert "against bf16" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="do not go together"):
         main(["bench", "model", str(src), "--batch-invariant", "--compare", "naive", "--batch", "1"])
+
+
+@pytest.mark.parametrize("preset", [arch.presets[0].name for arch in ARCHITECTURES.values()])
+def test_bench_model_runs_every_architecture(preset, tmp_path):
+    """make-model's tiny checkpoint of each architecture through the model benchmark: its MoE layers counted."""
+    arch, _ = model_presets()[preset]
+    path = make_checkpoint(preset, tmp_path / "ckpt", layers=2, vocab=400, overrides=tiny_overrides(preset))
+    out = tmp_path / "model.json"
+    assert main(["bench", "model", str(path), "--batch", "1", "--input-len", "9", "--output-len", "3", "--quick",
+                 "--no-db", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    moe_layers = sum(isinstance(m, MoEBlock) for m in load_model(path).modules())
+    assert report["weights"]["moe_layers"] == moe_layers >= 1, arch.model_type
+    assert report["results"][0]["itl_ms"] > 0
+
+
+def test_make_model_refuses_a_model_without_moe_layers(tmp_path):
+    """DeepSeek-V3's tiny config has one dense layer first: a one-layer checkpoint of it would have no experts."""
+    with pytest.raises(ValueError, match="deepseek-v3 with 1 layer.* has no MoE layer"):
+        make_checkpoint("deepseek-v3", tmp_path / "ckpt", layers=1, vocab=400, overrides=tiny_overrides("deepseek-v3"))
