@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from cpumoe.attention import AttentionContext  # noqa: E402
-from tests.engine.test_speculative import TINY_MODELS  # noqa: E402
+from tests.engine.test_speculative import NOT_IN_MODELS_FILES, TINY_MODELS  # noqa: E402
 
 BLOCK = 16
 PROMPT_LEN = 301  # a budget of 300 leaves a 1-token chunk
@@ -19,7 +19,7 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
 def _bf16_model(name: str):
-    if name == "deepseek_v3":  # routers stay float32, as from_pretrained keeps them
+    if name in ("deepseek_v3", *NOT_IN_MODELS_FILES):  # routers stay float32, as from_pretrained keeps them
         return TINY_MODELS[name](torch.bfloat16, max_position_embeddings=1024)
     return TINY_MODELS[name](max_position_embeddings=1024).to(torch.bfloat16)
 

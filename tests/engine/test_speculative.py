@@ -3,6 +3,8 @@ for every architecture, under continuous batching, chunked budgets and preemptio
 target's distribution (checked on the rule alone with exact probabilities, and end to end against non-speculative
 sampling); the config is parsed and refused as vLLM's flag is; prompt lookup finds what it should.
 """
+import functools
+
 import pytest
 import torch
 
@@ -13,7 +15,9 @@ from cpumoe.engine.config import SpeculativeConfig  # noqa: E402
 from cpumoe.engine.rejection_sampling import verify  # noqa: E402
 from cpumoe.engine.speculative import NgramProposer  # noqa: E402
 from tests.models import test_deepseek_v2, test_deepseek_v3, test_gpt_oss, test_qwen3_moe  # noqa: E402
+from cpumoe.models import ARCHITECTURES  # noqa: E402
 from tests.models.test_architectures import ARCHS  # noqa: E402
+from tests.models.test_conformance import tiny_model as conformance_tiny_model  # noqa: E402
 
 # repeated text gives prompt lookup something to find; the short prompt gives it nothing at first
 PROMPTS = [[11, 87, 25, 71, 15, 92, 74, 62, 11, 87, 25, 71, 15, 92, 74], [5], [17, 99, 3, 17, 99, 3, 17, 99],
@@ -27,6 +31,9 @@ TINY_MODELS = {
     "deepseek_v3": test_deepseek_v3.tiny_model,
     "gpt_oss": test_gpt_oss.tiny_model,
 }
+# every other registered architecture: the conformance test's tiny model (dtype, then config overrides)
+NOT_IN_MODELS_FILES = tuple(name for name in ARCHITECTURES if name not in TINY_MODELS)
+TINY_MODELS |= {name: functools.partial(conformance_tiny_model, ARCHITECTURES[name]) for name in NOT_IN_MODELS_FILES}
 
 
 def engine(path, speculative=None, **config):

@@ -27,11 +27,12 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 LAYERS, VOCAB, PROMPT_LEN = 3, 128, 11
 
 
-def tiny_model(arch, dtype=torch.float32):
-    """make-model's tiny config of the architecture's first preset (no eos: generate runs its full length)."""
+def tiny_model(arch, dtype=torch.float32, **overrides):
+    """make-model's tiny config of the architecture's first preset, then `overrides` (no eos: generate runs its
+    full length)."""
     config = build_config(arch.presets[0].name, layers=LAYERS, vocab=VOCAB, dtype=torch.float32,
                           special_ids=dict(eos_token_id=None, pad_token_id=None, bos_token_id=None),
-                          overrides=arch.tiny)
+                          overrides={**arch.tiny, **overrides})
     torch.manual_seed(0)
     model = getattr(transformers, arch.hf_model_class)(config)
     if hasattr(model, "set_experts_implementation"):
