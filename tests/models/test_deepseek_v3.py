@@ -25,8 +25,8 @@ from cpumoe.loader import Checkpoint, CheckpointError  # noqa: E402
 from cpumoe.models import ARCHITECTURES, load_model  # noqa: E402
 from cpumoe.models.blocks import GatedMLP  # noqa: E402
 from cpumoe.models.deepseek_v3 import DeepseekV3MoE  # noqa: E402
-from tests.models.tiny import (engine_greedy, generate_reference, greedy_without_cache, prefill_error, rel_err,
-                               spread_weights_)  # noqa: E402
+from tests.models.tiny import (choose, engine_greedy, generate_reference, greedy_without_cache, prefill_error,
+                               rel_err, routers, spread_weights_)  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 PROMPT = torch.tensor([[111, 87, 25, 71, 115, 92, 74, 62, 46, 32, 88]])  # [1, T]
@@ -93,34 +93,6 @@ def pair(request, tmp_path_factory):
     model = tiny_model(**VARIANTS[request.param])
     path = save(model, tmp_path_factory.mktemp(f"deepseek_v3_{request.param}"), request.param in LEGACY_ROPE_CONFIG)
     return request.param, model, path
-
-
-def routers(model, ids):
-    """Per MoE layer: transformers' router logits [T, E] and the layer's correction bias [E]."""
-    with torch.no_grad():
-        logits = model(ids, output_router_logits=True).router_logits
-    first = model.config.first_k_dense_replace
-    return [(rl.float(), layer.mlp.gate.e_score_correction_bias.float())
-            for rl, layer in zip(logits, model.model.layers[first:])]
-
-
-def choose(logits, bias, config, grouped=True):
-    """DeepSeek-V3's choice, written out: ids [T, k] (sorted), and the smallest margin of its two decisions (the
-    topk_group-th vs the next group score, the k-th vs the next selectable choice score)."""
-    choice = logits.sigmoid() + bias  # [T, E]
-    T, E = choice.shape
-    k, margins = config.num_experts_per_tok, []
-    if grouped:
-        groups = choice.view(T, config.n_group, -1)  # [T, G, E/G]
-        group_scores = groups.topk(2, dim=-1).values.sum(-1).sort(-1, descending=True).values  # [T, G]
-        if config.topk_group < config.n_group:
-            margins.append(group_scores[:, config.topk_group - 1] - group_scores[:, config.topk_group])
-        kept = groups.topk(2, dim=-1).values.sum(-1).topk(config.topk_group, dim=-1).indices  # [T, topk_group]
-        keep = torch.zeros(T, config.n_group, dtype=torch.bool).scatter_(1, kept, True)
-        choice = groups.masked_fill(~keep[..., None], float("-inf")).view(T, E)
-    top = choice.topk(k + 1, dim=-1).values  # [T, k + 1]
-    margins.append(top[:, k - 1] - top[:, k])
-    return choice.topk(k, dim=-1).indices.sort(-1).values, min(m.min().item() for m in margins)
 
 
 def test_registered_and_layers(pair):

@@ -65,3 +65,32 @@ def engine_greedy(path, prompts: list[list[int]], *, budget: int, max_tokens: in
     engine = LLMEngine(path, config=EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget))
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return [out.new_token_ids for out in outs]
+
+
+def routers(model, ids):
+    """Per MoE layer: transformers' router logits [T, E] and the layer's correction bias [E]."""
+    with torch.no_grad():
+        logits = model(ids, output_router_logits=True).router_logits
+    first = model.config.first_k_dense_replace
+    return [(rl.float(), layer.mlp.gate.e_score_correction_bias.float())
+            for rl, layer in zip(logits, model.model.layers[first:])]
+
+
+def choose(logits, bias, config, grouped=True):
+    """The sigmoid router with a correction bias and grouped top-k (DeepSeek-V3, GLM-4.5), written out: ids [T, k] (sorted), and the smallest margin of its decisions (the
+    topk_group-th vs the next group score, the k-th vs the next selectable choice score)."""
+    choice = logits.sigmoid() + bias  # [T, E]
+    T, E = choice.shape
+    k, margins = config.num_experts_per_tok, []
+    if grouped and config.n_group > 1:
+        groups = choice.view(T, config.n_group, -1)  # [T, G, E/G]
+        group_scores = groups.topk(2, dim=-1).values.sum(-1)  # [T, G]
+        ordered = group_scores.sort(-1, descending=True).values
+        if config.topk_group < config.n_group:
+            margins.append(ordered[:, config.topk_group - 1] - ordered[:, config.topk_group])
+        kept = group_scores.topk(config.topk_group, dim=-1).indices  # [T, topk_group]
+        keep = torch.zeros(T, config.n_group, dtype=torch.bool).scatter_(1, kept, True)
+        choice = groups.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+    top = choice.topk(k + 1, dim=-1).values  # [T, k + 1]
+    margins.append(top[:, k - 1] - top[:, k])
+    return choice.topk(k, dim=-1).indices.sort(-1).values, min(m.min().item() for m in margins)
