@@ -161,12 +161,14 @@ void write_quantized_row(const float* __restrict x, int64_t K, int64_t Kp, bool 
   int8_t* q = reinterpret_cast<int8_t*>(dst);
   if (scale > 0.0f) {
     // Adding and taking away 1.5 * 2^23 rounds a float below 2^22 to the nearest integer, ties to even
-    // (the default rounding mode), exactly as torch.round; clamping first keeps the code in int8.
+    // (the default rounding mode), exactly as torch.round.
     constexpr float kRound = 12582912.0f;
     for (int64_t k = 0; k < K; ++k) {
-      float v = x[k] / scale;
-      v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-      q[k] = int8_t(int32_t((v + kRound) - kRound));
+      // |x| <= amax keeps x / scale far inside int32, so clamping the rounded integer gives the codes that
+      // clamping the float would; integer clamps vectorize, where the float ones (branches) left this loop
+      // scalar, 5% of an int4 decode step's time.
+      const int32_t i = int32_t((x[k] / scale + kRound) - kRound);
+      q[k] = int8_t(i > 127 ? 127 : (i < -127 ? -127 : i));
     }
   } else {
     std::memset(q, 0, K);
