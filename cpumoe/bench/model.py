@@ -398,25 +398,38 @@ def run_formats_bench(model_paths: Sequence, cases: Sequence[ModelCase], *, dtyp
                                 weights_format=m["weights_format"]))
     return dict(cpu=cpu_model(), threads=torch.get_num_threads(), features=ops.cpu_features(), models=models,
                 kv_cache_gb=config.num_blocks * config.block_size * engines[0][1].kv_per_token / 1e9,
-                results=results, comparison=format_comparison(results, [w for _, w in engines]))
+                results=results, comparison=format_comparison(results, runs, [w for _, w in engines]))
 
 
-def format_comparison(results: Sequence[dict], weights: Sequence[WeightBytes]) -> list[dict]:
+def format_comparison(results: Sequence[dict], runs: dict[tuple[int, ModelCase], list[ModelResult]],
+                      weights: Sequence[WeightBytes]) -> list[dict]:
     """Each checkpoint's case against the first checkpoint's same case: decode and prefill speed-ups, and the
-    decode bound (bytes of the first's decode step over this one's, at this case's measured routing)."""
+    decode bound (bytes of the first's decode step over this one's, at this case's measured routing).
+
+    A speed-up is the median over repetitions of the ratio within each repetition, where the two ran a minute
+    apart, with the range of those ratios: the machine's speed drifts between repetitions by more than the
+    formats differ (a 512-token bf16 prefill measured 0.8 s and 1.3 s in one run), so a ratio of two medians
+    taken from different repetitions reads that drift as a speed-up."""
+    by_key = {(c.batch, c.input_len, c.output_len): c for _, c in runs}
     first = {(r["batch"], r["input_len"], r["output_len"]): r for r in results if r["model"] == 0}
     rows = []
     for r in results:
-        base = first[(r["batch"], r["input_len"], r["output_len"])]
+        key = (r["batch"], r["input_len"], r["output_len"])
         if r["model"] == 0:
             continue
+        base = first[key]
         context = r["input_len"] + r["output_len"] / 2
         bound = weights[0].decode_step_bytes(r["batch"], context, base["decode_experts_per_layer"]) / \
             weights[r["model"]].decode_step_bytes(r["batch"], context, r["decode_experts_per_layer"])
+        pairs = list(zip(runs[(0, by_key[key])], runs[(r["model"], by_key[key])]))
+        decode = [b.decode_tok_s / a.decode_tok_s for a, b in pairs]
+        prefill = [b.prefill_gflops / a.prefill_gflops for a, b in pairs]
         rows.append(dict(weights_format=r["weights_format"], model=r["model"], batch=r["batch"],
                          input_len=r["input_len"], output_len=r["output_len"],
-                         decode_speedup=r["decode_tok_s"] / base["decode_tok_s"], decode_bound=bound,
-                         prefill_speedup=r["prefill_gflops"] / base["prefill_gflops"],
+                         decode_speedup=statistics.median(decode), decode_speedup_range=(min(decode), max(decode)),
+                         decode_bound=bound,
+                         prefill_speedup=statistics.median(prefill),
+                         prefill_speedup_range=(min(prefill), max(prefill)),
                          ttft_ratio=base["ttft_ms"] / r["ttft_ms"]))
     return rows
 
@@ -444,14 +457,18 @@ def render_formats_report(report: dict, console: Console) -> None:
                       f"{r['ttft_ms']:.1f}", f"{r['itl_ms']:.2f}", f"{r['decode_tok_s']:.1f}", f"{r['decode_gbs']:.1f}",
                       f"{r['decode_bandwidth_pct']:.0f}%", f"{r['prefill_gflops']:.0f}", f"{r['prefill_mm_pct']:.0f}%")
     console.print(table)
-    comparison = Table(title=f"against {report['models'][0]['weights_format']} (same run; bound: decode-step bytes)",
+    comparison = Table(title=f"against {report['models'][0]['weights_format']} (median and range of the ratios within "
+                             "each repetition; bound: decode-step bytes)",
                        title_justify="left")
-    for name in ("batch", "in", "out", "weights", "decode speedup", "bound", "% of bound", "prefill speedup"):
+    for name in ("batch", "in", "out", "weights", "decode speedup", "range", "bound", "% of bound",
+                 "prefill speedup", "range"):
         comparison.add_column(name, justify="right", no_wrap=True)
+    span = lambda lo_hi: f"{lo_hi[0]:.2f}-{lo_hi[1]:.2f}x"  # noqa: E731
     for c in report["comparison"]:
         comparison.add_row(str(c["batch"]), str(c["input_len"]), str(c["output_len"]), c["weights_format"],
-                           f"{c['decode_speedup']:.2f}x", f"{c['decode_bound']:.2f}x",
-                           f"{100 * c['decode_speedup'] / c['decode_bound']:.0f}%", f"{c['prefill_speedup']:.2f}x")
+                           f"{c['decode_speedup']:.2f}x", span(c["decode_speedup_range"]), f"{c['decode_bound']:.2f}x",
+                           f"{100 * c['decode_speedup'] / c['decode_bound']:.0f}%", f"{c['prefill_speedup']:.2f}x",
+                           span(c["prefill_speedup_range"]))
     console.print(comparison)
 
 

@@ -1,10 +1,11 @@
 """The model benchmark end to end on a tiny synthetic checkpoint, fused beside naive."""
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
 
-from cpumoe.bench.model import ModelCase, engine_config
+from cpumoe.bench.model import ModelCase, ModelResult, WeightBytes, engine_config, format_comparison
 from cpumoe.cli import main
 from cpumoe.models import ARCHITECTURES, load_model, model_presets
 from cpumoe.models.blocks import MoEBlock
@@ -82,6 +83,26 @@ def test_bench_model_quantized_checkpoints_side_by_side(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--compare naive takes one checkpoint"):
         main(["bench", "model", str(src), str(int4), "--compare", "naive", "--batch", "1", "--input-len", "4",
               "--output-len", "2"])
+
+
+def test_format_speedups_pair_each_repetition():
+    """A speed-up is the median of the ratios within each repetition, with their range: here the machine ran at
+    half speed in the second of three repetitions, and the checkpoint is 2x faster in every one. The ratio of the
+    two medians would read 1x-4x depending on which repetitions the medians fall in."""
+    def result(decode, prefill):
+        return ModelResult(backend="b", batch=1, input_len=8, output_len=4, ttft_ms=1.0, itl_ms=1.0, e2e_s=1.0,
+                           throughput_tok_s=1.0, decode_tok_s=decode, decode_gbs=1.0, decode_experts_per_layer=8.0,
+                           decode_bandwidth_pct=1.0, bandwidth_gbs=1.0, prefill_gflops=prefill, prefill_mm_pct=1.0,
+                           mm_gflops=1.0, peak_rss_gb=1.0)
+    case = ModelCase(1, 8, 4)
+    runs = {(0, case): [result(10, 100), result(5, 50), result(10, 100)],
+            (1, case): [result(20, 150), result(10, 75), result(21, 160)]}
+    results = [dict(asdict(runs[(i, case)][1]), model=i, weights_format=f) for i, f in enumerate(["bf16", "int8"])]
+    weights = WeightBytes(dense_elems=1, expert_elems=1, dense=10, expert=10, moe_layers=1, experts=16, top_k=2,
+                          kv_per_token=0)
+    [row] = format_comparison(results, runs, [weights, weights])
+    assert row["decode_speedup"] == pytest.approx(2.0) and row["decode_speedup_range"] == pytest.approx((2.0, 2.1))
+    assert row["prefill_speedup"] == pytest.approx(1.5) and row["prefill_speedup_range"] == pytest.approx((1.5, 1.6))
 
 
 def test_bench_model_batch_invariant_side_by_side(tmp_path, capsys):
