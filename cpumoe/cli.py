@@ -472,6 +472,9 @@ def _add_quantize(commands) -> None:
                         "gpt-oss, compressed-tensors otherwise)")
     p.add_argument("--group-size", type=int, help="int4 group / fp8 block along K (default 128)")
     p.add_argument("--asymmetric", action="store_true", help="int4 with zero points (AWQ always has them)")
+    p.add_argument("--lm-head", action="store_true",
+                   help="quantize the lm_head too (as GPTQ's lm_head=true checkpoints; default: kept in float, as "
+                        "most public quantized checkpoints keep it)")
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="shard size in GB at most (default 2)")
     p.set_defaults(func=_cmd_quantize)
 
@@ -487,6 +490,7 @@ def _cmd_quantize(args) -> int:
             task = bar.add_task("quantizing", total=None)
             result = quantize_checkpoint(args.src, args.dst, args.format, layout=args.layout,
                                          group_size=args.group_size, symmetric=False if args.asymmetric else None,
+                                         lm_head=args.lm_head,
                                          max_shard_bytes=max(1, int(args.max_shard_gb * 1024**3)),
                                          progress=lambda done, total: bar.update(task, completed=done, total=total))
     except ValueError as e:   # an unknown format or layout, a checkpoint that is missing, quantized or unfit

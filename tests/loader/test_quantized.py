@@ -16,7 +16,8 @@ from cpumoe.loader.quantized import QuantizedCheckpoint
 from cpumoe.loader.quantized.convert import quantize_checkpoint
 from cpumoe.quant.formats import QuantFormat
 from cpumoe.quant.schemes import dequantize, quantize
-from tests.loader.conftest import source_checkpoint
+from cpumoe.synthetic import make_checkpoint, tiny_overrides
+from tests.loader.conftest import PRESET, source_checkpoint
 
 EXPERTS = "model.layers.1.mlp.experts"
 # id -> quantize_checkpoint arguments. Tiny Qwen3: K is 64 (hidden) or 32 (expert I), so int4 groups of 32.
@@ -30,6 +31,8 @@ CASES = {
     "fp8-block": dict(format="fp8"),
     "fp8-block-32": dict(format="fp8", group_size=32),
     "mxfp4-compressed-tensors": dict(format="mxfp4"),
+    "int4-compressed-tensors-lm-head": dict(format="int4", group_size=32, lm_head=True),
+    "int8-compressed-tensors-lm-head": dict(format="int8", lm_head=True),
 }
 # relative error of the dequantized weight, per format (round to nearest on N(0, 0.02) weights)
 ERROR = {QuantFormat.INT8_W8A8: 0.02, QuantFormat.INT4_W4A16: 0.2, QuantFormat.FP8_W8A16: 0.05,
@@ -75,7 +78,8 @@ def test_every_module_reads_back_as_quantized(case, source):
 def test_float_modules_and_other_tensors_are_kept(case, source):
     args, result = case
     src, out, qc = Checkpoint(source), Checkpoint(result.path), QuantizedCheckpoint(result.path)
-    assert "lm_head" in result.unquantized and "model.layers.0.mlp.gate" in result.unquantized
+    assert "model.layers.0.mlp.gate" in result.unquantized
+    assert ("lm_head" in result.quantized) == args.get("lm_head", False) != ("lm_head" in result.unquantized)
     if args["format"] == "mxfp4":  # experts only
         assert "model.layers.0.self_attn.q_proj" in result.unquantized
         assert all(".experts." in p for p in result.quantized)
@@ -89,6 +93,8 @@ def test_float_modules_and_other_tensors_are_kept(case, source):
         assert (result.path / f).read_bytes() == (source / f).read_bytes()
     config = json.loads((result.path / "config.json").read_text())
     assert config["model_type"] == "qwen3_moe" and config["quantization_config"]["quant_method"] == result.layout
+    if result.layout == "gptq":  # the flag GPTQModel and vLLM read
+        assert config["quantization_config"]["lm_head"] == args.get("lm_head", False)
 
 
 def test_expert_reads_the_per_expert_module(case):
@@ -252,11 +258,19 @@ def test_gpt_oss_missing_scales_are_named(gpt_oss, tmp_path):
     (dict(format="mxfp4", layout="mxfp4"), "use --layout compressed-tensors"),
     (dict(format="mxfp4", group_size=64), "mxfp4 groups are 32"),
     (dict(format="int3"), "unknown quantization format 'int3'"),
-], ids=["group", "int8-gptq", "mxfp4-layout", "mxfp4-group", "format"])
+    (dict(format="mxfp4", lm_head=True), "mxfp4 quantizes the experts only"),
+], ids=["group", "int8-gptq", "mxfp4-layout", "mxfp4-group", "format", "mxfp4-lm-head"])
 def test_quantize_refuses(source, tmp_path, args, match):
     with pytest.raises(ValueError, match=match):
         quantize_checkpoint(source, tmp_path / "q", **args)
     assert not (tmp_path / "q" / "config.json").exists()
+
+
+def test_quantize_refuses_a_tied_lm_head(tmp_path):
+    tied = make_checkpoint(PRESET, tmp_path / "tied", layers=1, vocab=300,
+                           overrides=dict(tiny_overrides(PRESET), tie_word_embeddings=True))
+    with pytest.raises(ValueError, match="no lm_head.weight of its own"):
+        quantize_checkpoint(tied, tmp_path / "q", "int8", lm_head=True)
 
 
 def test_quantize_refuses_a_quantized_source(int4, tmp_path):

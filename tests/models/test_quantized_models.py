@@ -36,6 +36,7 @@ LAYOUTS = {
     "int4-awq": dict(format="int4", layout="awq", group_size=32),
     "fp8-block": dict(format="fp8"),
     "mxfp4-compressed-tensors": dict(format="mxfp4"),
+    "int4-compressed-tensors-lm-head": dict(format="int4", group_size=32, lm_head=True),
 }
 BUDGET = {"int8_w8a8": 0.03, "int4_w4a16": 0.03, "fp8_w8a16": 0.015, "mxfp4_w4a16": 0.03}  # measured: 0.012, 0.011-0.015, 0.007, 0.007
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 250, 3, 61, 128, 200, 33, 8]])
@@ -81,6 +82,7 @@ def test_loads_quantized_and_matches_dequantized_twin(quantized, source, tmp_pat
         assert linears and all(m.format.value == fmt and m.backend != "naive" for m in linears), name
     experts = [m.experts for m in model.modules() if isinstance(m, MoEBlock)]
     assert experts and all(e.quantization == fmt and e.backend != "naive" for e in experts), name
+    assert isinstance(model.lm_head, QuantizedLinear) == LAYOUTS[name].get("lm_head", False), name
     twin = load_model(dequantized_twin(source, path, tmp_path / "twin"), dtype=torch.bfloat16)
     out, ref = model(PROMPT).float(), twin(PROMPT).float()
     err = ((out - ref).abs().max() / ref.abs().max()).item()
