@@ -62,6 +62,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.inv_freq, self.attention_factor = frequencies or rope_parameters(head_dim, theta, scaling)  # [d/2], float
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # cos, sin [positions, d]
 
     @property
     def cache_key(self) -> tuple:
@@ -69,12 +70,23 @@ class RotaryEmbedding(nn.Module):
         return ("rope", self.head_dim, self.theta, repr(sorted((self.scaling or {}).items())))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
-        cos, sin = emb.cos(), emb.sin()
-        if self.attention_factor != 1.0:
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        return cos.to(dtype), sin.to(dtype)
+        # Rows of a table of every position so far, as vLLM's cos_sin_cache: computing cos and sin of a decode
+        # step's one position took 0.2 ms a step (2% of an int4 one), the lookup a few microseconds. The table holds
+        # the same values, so this changes no bit.
+        cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 0, dtype)
+        return cos[positions], sin[positions]
+
+    def _table(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._tables.get(dtype, (None, None))
+        if cos is None or cos.shape[0] < length:
+            rows = max(256, 1 << max(length - 1, 1).bit_length())  # grown by doubling: at most 2x the longest context
+            freqs = torch.arange(rows, dtype=torch.float32)[:, None] * self.inv_freq[None, :]  # [rows, d/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [rows, d]
+            cos, sin = emb.cos(), emb.sin()
+            if self.attention_factor != 1.0:
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
+            cos, sin = self._tables[dtype] = cos.to(dtype), sin.to(dtype)
+        return cos, sin
 
     def extra_repr(self) -> str:
         scaling = f", scaling={self.scaling}" if self.scaling else ""
