@@ -162,3 +162,17 @@ def test_a_row_without_a_distribution_fails_alone():
     assert out[:3].tolist() == [FAILED] * 3
     assert out[3].item() == sample(logits[3:], params[3:])[0].item()
     assert sample(logits[2:3], params[2:3]).tolist() == [FAILED]  # the all-greedy batch too
+
+
+@pytest.mark.parametrize("vocab", [7, 32768, 151936])
+def test_greedy_batch_fails_exactly_its_nan_rows(vocab):
+    """The all-greedy path tells a NaN row by its argmax alone: wherever the NaN sits (first, after the largest
+    value, last), beside +inf, at real vocabulary sizes (torch's vectorized reductions)."""
+    from cpumoe.engine.sampling import FAILED
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5))
+    logits[:, vocab // 3] = 50.0
+    logits[1, 0] = logits[2, vocab - 1] = logits[3, vocab // 2] = float("nan")
+    logits[4, 1] = float("inf")
+    logits[5, 1], logits[5, 2] = float("inf"), float("nan")
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 6)
+    assert out.tolist() == [vocab // 3, FAILED, FAILED, FAILED, 1, FAILED]
