@@ -21,8 +21,14 @@ $(MODEL): | setup
 
 # The default checkpoint quantized by `cpumoe quantize` to each format (made once, beside it), and the model benchmark
 # of all of them side by side against the bf16 one: decode and prefill speed-ups with their bounds, memory.
-QUANT_FORMATS ?= int8 int4 fp8 mxfp4
+# The -head twins quantize the lm_head too (`--lm-head`, as GPTQ's lm_head=true checkpoints).
+QUANT_FORMATS ?= int8 int4 fp8 mxfp4 int8-head int4-head
 QUANT_MODELS = $(foreach f,$(QUANT_FORMATS),$(MODEL)-$(f))
+
+$(MODEL)-%-head: | $(MODEL)
+	rm -rf $@.partial
+	.venv/bin/cpumoe quantize $(MODEL) $@.partial --format $* --lm-head
+	mv $@.partial $@
 
 $(MODEL)-%: | $(MODEL)
 	rm -rf $@.partial
