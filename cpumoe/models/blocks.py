@@ -14,6 +14,7 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from cpumoe import ops
 from cpumoe.attention import AttentionContext, causal_attention, paged_attention, row_attention
@@ -72,20 +73,23 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Rows of a table of every position so far, as vLLM's cos_sin_cache: computing cos and sin of a decode
         # step's one position took 0.2 ms a step (2% of an int4 one), the lookup a few microseconds. The table holds
-        # the same values, so this changes no bit.
-        cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 0, dtype)
-        return cos[positions], sin[positions]
-
-    def _table(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # the same values, so this changes no bit. Traced (fake) positions have no values to size it by.
+        if isinstance(positions, FakeTensor) or torch.compiler.is_compiling():
+            return tuple(t.to(dtype) for t in self._cos_sin(positions.float()))
+        length = int(positions.max()) + 1 if positions.numel() else 0
         cos, sin = self._tables.get(dtype, (None, None))
         if cos is None or cos.shape[0] < length:
             rows = max(256, 1 << max(length - 1, 1).bit_length())  # grown by doubling: at most 2x the longest context
-            freqs = torch.arange(rows, dtype=torch.float32)[:, None] * self.inv_freq[None, :]  # [rows, d/2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [rows, d]
-            cos, sin = emb.cos(), emb.sin()
-            if self.attention_factor != 1.0:
-                cos, sin = cos * self.attention_factor, sin * self.attention_factor
-            cos, sin = self._tables[dtype] = cos.to(dtype), sin.to(dtype)
+            cos, sin = self._tables[dtype] = tuple(t.to(dtype) for t in self._cos_sin(torch.arange(rows).float()))
+        return cos[positions], sin[positions]
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos, sin [T, d] of float positions [T]."""
+        freqs = positions[:, None] * self.inv_freq[None, :]  # [T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos, sin
 
     def extra_repr(self) -> str:
