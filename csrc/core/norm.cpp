@@ -9,18 +9,10 @@ namespace {
 
 constexpr int64_t kRowsPerItem = 16;  // a decode step's few rows stay on the calling thread
 
-// v rounded to dtype and back (float32: itself).
-inline float round_to(float v, DType d) {
-  switch (d) {
-    case DType::kFloat32: return v;
-    case DType::kBFloat16: return bf16_to_f32(f32_to_bf16(v));
-    default: return f16_to_f32(f32_to_f16(v));
-  }
-}
-
-void norm_row(const RmsNormArgs& a, const float* w, int64_t r, float* buf) {
+template <DType D>
+void norm_row(const RmsNormArgs& a, const float* w, int64_t r, float* __restrict buf) {
   const int64_t dim = a.dim;
-  for (int64_t k = 0; k < dim; ++k) buf[k] = load_as_f32(a.x, r * dim + k, a.dtype);
+  for (int64_t k = 0; k < dim; ++k) buf[k] = load_f32<D>(a.x, r * dim + k);
   float partial[16] = {};  // 16 running sums, so the loop vectorizes
   int64_t k = 0;
   for (; k + 16 <= dim; k += 16)
@@ -32,8 +24,8 @@ void norm_row(const RmsNormArgs& a, const float* w, int64_t r, float* buf) {
   if (a.weight_in_float)
     for (int64_t i = 0; i < dim; ++i) buf[i] = w[i] * (buf[i] * inv);
   else
-    for (int64_t i = 0; i < dim; ++i) buf[i] = w[i] * round_to(buf[i] * inv, a.dtype);
-  store_row(buf, static_cast<char*>(a.out) + r * dim * dtype_size(a.dtype), dim, a.dtype);
+    for (int64_t i = 0; i < dim; ++i) buf[i] = w[i] * round_to<D>(buf[i] * inv);
+  store_row(buf, static_cast<char*>(a.out) + r * dim * dtype_size(D), dim, D);
 }
 
 }  // namespace
@@ -45,8 +37,10 @@ void rms_norm(const RmsNormArgs& a, const Parallel& parallel) {
   parallel_items(parallel, items, [&](int64_t i) {
     thread_local std::vector<float> buf;
     buf.resize(a.dim);
-    for (int64_t r = i * kRowsPerItem; r < std::min(a.rows, (i + 1) * kRowsPerItem); ++r)
-      norm_row(a, w.data(), r, buf.data());
+    with_dtype(a.dtype, [&](auto tag) {
+      for (int64_t r = i * kRowsPerItem; r < std::min(a.rows, (i + 1) * kRowsPerItem); ++r)
+        norm_row<decltype(tag)::value>(a, w.data(), r, buf.data());
+    });
   });
 }
 

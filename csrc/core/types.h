@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace cpumoe {
 
@@ -73,6 +74,37 @@ inline void store_from_f32(void* p, int64_t i, float v, DType d) {
     case DType::kFloat32: static_cast<float*>(p)[i] = v; break;
     case DType::kBFloat16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(v); break;
     default: static_cast<uint16_t*>(p)[i] = f32_to_f16(v); break;
+  }
+}
+
+// The same with the dtype known at compile time: loops over a row then vectorize, where the per-element switch
+// above kept RMSNorm and RoPE scalar (2 ms and 8 ms of a 512-token prefill's layer).
+template <DType D>
+inline float load_f32(const void* p, int64_t i) {
+  if constexpr (D == DType::kFloat32) return static_cast<const float*>(p)[i];
+  else if constexpr (D == DType::kBFloat16) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  else return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+}
+template <DType D>
+inline void store_f32(void* p, int64_t i, float v) {
+  if constexpr (D == DType::kFloat32) static_cast<float*>(p)[i] = v;
+  else if constexpr (D == DType::kBFloat16) static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+  else static_cast<uint16_t*>(p)[i] = f32_to_f16(v);
+}
+// v rounded to D and back (float32: v itself).
+template <DType D>
+inline float round_to(float v) {
+  if constexpr (D == DType::kFloat32) return v;
+  else if constexpr (D == DType::kBFloat16) return bf16_to_f32(f32_to_bf16(v));
+  else return f16_to_f32(f32_to_f16(v));
+}
+// fn(tag) for the runtime dtype d, tag an std::integral_constant<DType, d>: `constexpr DType D = decltype(tag)::value`.
+template <typename Fn>
+inline void with_dtype(DType d, Fn&& fn) {
+  switch (d) {
+    case DType::kFloat32: fn(std::integral_constant<DType, DType::kFloat32>{}); break;
+    case DType::kBFloat16: fn(std::integral_constant<DType, DType::kBFloat16>{}); break;
+    default: fn(std::integral_constant<DType, DType::kFloat16>{}); break;
   }
 }
 
