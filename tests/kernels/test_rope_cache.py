@@ -65,6 +65,16 @@ def test_odd_head_size_is_refused():
         ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
 
 
+def test_head_size_above_1024_is_refused():
+    """The kernel rotates a head through stack buffers of 512 pairs: a larger head is named, not overrun."""
+    d = 1026
+    q, k, v = torch.randn(2, 2, d), torch.randn(2, 1, d), torch.randn(2, 1, d)
+    cos, sin = torch.randn(2, d), torch.randn(2, d)
+    k_cache, v_cache, slots = torch.zeros(2, 4, 1, d), torch.zeros(2, 4, 1, d), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="head dim 1026 above 1024"):
+        ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+
+
 def test_fake_kernel_and_meta_weights():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
