@@ -83,6 +83,17 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self._tables[dtype] = tuple(t.to(dtype) for t in self._cos_sin(torch.arange(rows).float()))
         return cos[positions], sin[positions]
 
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype,
+                 context: AttentionContext | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, d] (contiguous) of a step's positions: once per step in context.cache, shared by every layer
+        whose rotary gives the same values (every layer sees the same positions); without a context, computed."""
+        if context is None:
+            return self(positions, dtype)
+        key = (*self.cache_key, dtype)
+        if key not in context.cache:
+            context.cache[key] = tuple(t.contiguous() for t in self(positions, dtype))
+        return context.cache[key]
+
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos, sin [T, d] of float positions [T]."""
         freqs = positions[:, None] * self.inv_freq[None, :]  # [T, d/2]
@@ -176,11 +187,7 @@ class Attention(nn.Module):
                        layer: int) -> torch.Tensor:  # x [T, H], positions [T]
         T = x.shape[0]
         q, k, v = self._qkv(x)  # [T, nh, d], [T, nkv, d], [T, nkv, d]
-        key = (*self.rotary.cache_key, x.dtype)
-        if key not in context.cache:  # once per step: every layer has the same positions
-            cos, sin = self.rotary(positions, x.dtype)  # [T, d]
-            context.cache[key] = cos.contiguous(), sin.contiguous()
-        cos, sin = context.cache[key]
+        cos, sin = self.rotary.for_step(positions, x.dtype, context)  # [T, d]
         k_cache, v_cache = context.kv_caches[layer]  # [num_blocks, block_size, nkv, d]
         # RoPE on q and k in place, then k and v into their slots: one op (apply_rotary and two index_puts)
         q, k, v = q.contiguous(), k.contiguous(), v.to(v_cache.dtype).contiguous()

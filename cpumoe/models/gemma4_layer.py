@@ -144,11 +144,7 @@ class Gemma4Attention(nn.Module):
         if self.cache_heads != self.num_kv_heads:  # see the class docstring
             repeat = self.cache_heads // self.num_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)  # [T, cache_heads, d]
-        key = (*self.rotary.cache_key, x.dtype)
-        if key not in context.cache:  # once per step and kind of layer: they all have the same positions
-            cos, sin = self.rotary(positions, x.dtype)  # [T, d]
-            context.cache[key] = cos.contiguous(), sin.contiguous()
-        cos, sin = context.cache[key]
+        cos, sin = self.rotary.for_step(positions, x.dtype, context)  # [T, d]
         k_cache, v_cache = (c.view(*c.shape[:2], self.cache_heads, self.head_dim) for c in context.kv_caches[layer])
         # RoPE on q and k in place, then k and v into their slots: one op
         q, k, v = q.contiguous(), k.contiguous(), v.to(v_cache.dtype).contiguous()

@@ -161,11 +161,7 @@ class PartialRotaryAttention(Attention):
                        layer: int) -> torch.Tensor:  # x [T, H], positions [T]
         T = x.shape[0]
         q, k, v = self._qkv(x)  # [T, nh, d], [T, nkv, d], [T, nkv, d]
-        key = ("partial-rope", *self.rotary.cache_key, x.dtype)
-        if key not in context.cache:  # once per step: every layer has the same positions
-            cos, sin = self.rotary(positions, x.dtype)  # [T, r]
-            context.cache[key] = cos[:, None], sin[:, None]  # [T, 1, r]: broadcast over heads
-        cos, sin = context.cache[key]
+        cos, sin = (t[:, None] for t in self.rotary.for_step(positions, x.dtype, context))  # [T, 1, r]: over heads
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         k_cache, v_cache = context.kv_caches[layer]  # [num_blocks, block_size, nkv, d]
         nkv, d = self.num_kv_heads, self.head_dim

@@ -228,13 +228,7 @@ class Llama4Attention(nn.Module):
         RoPE layer has the same."""
         if not self.use_rope:
             return None
-        key = ("rope-f32", *self.rotary.cache_key)
-        if context is None or key not in context.cache:
-            cos, sin = self.rotary(positions, torch.float32)  # [T, d]
-            if context is None:
-                return cos[:, None], sin[:, None]
-            context.cache[key] = cos[:, None], sin[:, None]
-        return context.cache[key]
+        return tuple(t[:, None] for t in self.rotary.for_step(positions, torch.float32, context))  # [T, 1, d]
 
     def _l2_norm(self, x: torch.Tensor) -> torch.Tensor:
         """Per-head RMS norm without a weight (transformers' Llama4TextL2Norm): in float32, cast back."""
