@@ -98,7 +98,6 @@ struct Geometry {
   int64_t Hp;
   int max_rows;
   bool int8_rows;                  // activations reach the tiles as quant.h's A8 rows
-  bool unsigned_rows;
 };
 
 Geometry geometry(const FusedMoeArgs& a) {
@@ -112,13 +111,12 @@ Geometry geometry(const FusedMoeArgs& a) {
     g.bytes2 = quant_block_bytes(a.format, a.I, a.group2);
     g.max_rows = a.quant->max_rows;
     g.int8_rows = quant_int8_activations(a.format);
-    g.unsigned_rows = a.quant->unsigned_activations;
   } else {
     const int64_t es = dtype_size(a.dtype);
     const PackedShape s13 = w13_packed_shape(a.H, a.I, a.kernels->layout);
     const PackedShape s2 = w2_packed_shape(a.H, a.I, a.kernels->layout);
     g = {s13.blocks, s13.block_elems * es, s13.k, s2.blocks, s2.block_elems * es, s2.k, 0, a.kernels->max_rows,
-         false, false};
+         false};
   }
   g.Hp = g.blocks2 * kBlockCols;
   return g;
@@ -197,7 +195,7 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
     const char* src = x;
     const int64_t src_stride = x_stride;
     parallel_items(parallel, M, [&](int64_t t) {
-      quantize_row(src + t * src_stride, H, a.dtype, geo.k13, geo.unsigned_rows,
+      quantize_row(*a.quant, src + t * src_stride, H, a.dtype, geo.k13,
                    reinterpret_cast<uint8_t*>(qx + t * stride13));
     });
     x = qx;
@@ -240,7 +238,7 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
   // 3b. A8: quantize each intermediate row per (token, slot), as the reference does.
   if (geo.int8_rows)
     parallel_items(parallel, rows, [&](int64_t r) {
-      quantize_row_f32(reinterpret_cast<const float*>(inter) + r * Ip, Ip, Ip, geo.unsigned_rows,
+      quantize_row_f32(*a.quant, reinterpret_cast<const float*>(inter) + r * Ip, Ip, Ip,
                        reinterpret_cast<uint8_t*>(qinter + r * stride2));
     });
 

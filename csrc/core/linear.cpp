@@ -31,7 +31,7 @@ void linear(const LinearArgs& a, const Parallel& parallel) {
     x_stride = quant_row_stride(Kp);
     staged.resize(a.M * x_stride);
     parallel_items(parallel, a.M, [&](int64_t m) {
-      quantize_row(x + m * a.K * es, a.K, a.dtype, Kp, a.quant->unsigned_activations,
+      quantize_row(*a.quant, x + m * a.K * es, a.K, a.dtype, Kp,
                    reinterpret_cast<uint8_t*>(staged.data() + m * x_stride));
     });
     x = staged.data();

@@ -121,17 +121,23 @@ inline float e4m3_to_float(uint8_t b) {
 
 // One ISA's tiles for one format. Tiles take any number of rows (they split them into register tiles, as
 // run_row_tiles does) and read GemmTile as documented above; GemmTile::group is the format's g.
+// Writes one A8 row from float32 x[0:K] (K <= Kp) at dst (quant_row.h).
+using WriteRowFn = void (*)(const float* x, int64_t K, int64_t Kp, bool unsigned_activations, uint8_t* dst);
+
 struct QuantKernel {
   int max_rows;               // rows per register tile (a hint for the driver's chunking)
   bool unsigned_activations;  // A8: rows hold u8 = a + 128 (x86 VNNI / AVX2 u8 x s8 products)
   TileFn w13_tile;
   TileFn w2_tile;
+  WriteRowFn write_row = nullptr;  // A8: this ISA's build of the row writer (nullptr: the baseline one)
 };
 
-// Quantizes one row x[0:K] (bf16/f16/f32 as `dtype`; K <= Kp) into the A8 row layout at dst.
-void quantize_row(const void* x, int64_t K, DType dtype, int64_t Kp, bool unsigned_activations, uint8_t* dst);
+// Quantizes one row x[0:K] (bf16/f16/f32 as `dtype`; K <= Kp) into the A8 row layout at dst, with q's row
+// writer. Every writer gives the same bits; a prefill quantizes each token's row and each (token, slot)'s
+// intermediate, 10% of an int8 layer at M = 2048 with the baseline writer.
+void quantize_row(const QuantKernel& q, const void* x, int64_t K, DType dtype, int64_t Kp, uint8_t* dst);
 // The same from float32 (the intermediate of A8 formats).
-void quantize_row_f32(const float* x, int64_t K, int64_t Kp, bool unsigned_activations, uint8_t* dst);
+void quantize_row_f32(const QuantKernel& q, const float* x, int64_t K, int64_t Kp, uint8_t* dst);
 
 // The portable tiles of each format (quant_generic.cpp): every other backend is checked against them.
 const QuantKernel& quant_generic(QuantFormat f);

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "../quant_row.h"
 #include "quant_tiles.h"
 
 namespace cpumoe {
@@ -272,10 +273,10 @@ using Mxfp4Tiles = qx86::Tiles<Mxfp4Dot, DType::kFloat32, 4>;
 }  // namespace
 
 const QuantKernel* quant_x86_avx2(QuantFormat f) {
-  static const QuantKernel int8{4, false, Int8Tiles::w13, Int8Tiles::w2};
-  static const QuantKernel int4{4, false, Int4Tiles::w13, Int4Tiles::w2};
+  static const QuantKernel int8{4, false, Int8Tiles::w13, Int8Tiles::w2, write_quantized_row};
+  static const QuantKernel int4{4, false, Int4Tiles::w13, Int4Tiles::w2, write_quantized_row};
   static const QuantKernel fp8{4, false, Fp8Tiles::w13, Fp8Tiles::w2};
-  static const QuantKernel mxfp4{4, false, Mxfp4Tiles::w13, Mxfp4Tiles::w2};
+  static const QuantKernel mxfp4{4, false, Mxfp4Tiles::w13, Mxfp4Tiles::w2, write_quantized_row};
   switch (f) {
     case QuantFormat::kInt8W8A8: return &int8;
     case QuantFormat::kInt4W4A16: return &int4;

@@ -16,6 +16,7 @@
 // A/B within one process: int4 1.16x, mxfp4 1.24x, int8 1.05x the speed). Measured on one Xeon (Emerald Rapids) thread against the dense bf16 tile on the same shapes,
 // 1 row streaming 1 GB of Kp = 2048 blocks (bf16: 15 GB/s): int8 2.1x the rows per second, int4 g128 3.5x
 // (g32 2.85x, as its bytes allow); 64 rows: int8 2.9-3.2x, int4 g128 3.8-4.6x.
+#include "../quant_row.h"
 #include "quant_tiles.h"
 
 namespace cpumoe {
@@ -211,9 +212,9 @@ using Mxfp4Tiles = qx86::Tiles<Mxfp4Dot, DType::kFloat32, 4>;
 }  // namespace
 
 const QuantKernel* quant_x86_avx512vnni(QuantFormat f) {
-  static const QuantKernel int8{6, true, Int8Tiles::w13, Int8Tiles::w2};
-  static const QuantKernel int4{4, false, Int4Tiles::w13, Int4Tiles::w2};
-  static const QuantKernel mxfp4{4, false, Mxfp4Tiles::w13, Mxfp4Tiles::w2};
+  static const QuantKernel int8{6, true, Int8Tiles::w13, Int8Tiles::w2, write_quantized_row};
+  static const QuantKernel int4{4, false, Int4Tiles::w13, Int4Tiles::w2, write_quantized_row};
+  static const QuantKernel mxfp4{4, false, Mxfp4Tiles::w13, Mxfp4Tiles::w2, write_quantized_row};
   switch (f) {
     case QuantFormat::kInt8W8A8: return &int8;
     case QuantFormat::kInt4W4A16: return &int4;
