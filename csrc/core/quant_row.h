@@ -1,8 +1,7 @@
 // The A8 row writer (quant.h's row layout) as an inline function, so that each unit that includes this header
-// compiles its own copy with its own ISA flags: quant_generic's for the baseline, the x86 VNNI unit's with
-// AVX-512 (QuantKernel::write_row). Every copy does the same float operations (division, the rounding add,
-// no contraction: the units that include it build with -ffp-contract=off or have no FMA), so all give the
-// same bits.
+// compiles its own copy with its own ISA flags: quant_generic's for the baseline, the x86 VNNI and AVX2 units'
+// as QuantKernel::write_row. Its float operations are a division and the rounding additions, which no compiler
+// contracts or reorders without -ffast-math, so every copy gives the same bits.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -14,7 +13,7 @@ namespace {  // one copy per unit, as quant_tiles.h's
 // ISA vectorizes them: a decode step quantizes a few rows per layer, and scalar nearbyint/fmax calls made
 // that a visible share of an int4 step.
 inline void write_quantized_row(const float* __restrict x, int64_t K, int64_t Kp, bool unsigned_activations,
-                         uint8_t* __restrict dst) {
+                                uint8_t* __restrict dst) {
   // max |x| on the bit patterns: |x| orders as its bits do (NaN above all, as torch's amax), and an integer
   // max reduction vectorizes where a float one would need -ffast-math.
   uint32_t amax_bits = 0;
