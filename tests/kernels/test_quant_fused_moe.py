@@ -145,8 +145,9 @@ def test_linear(backend, fmt, group, sym, dtype, M, K, N):
 
 @pytest.mark.parametrize("backend", native_backends_for("int8_w8a8", torch.float32))
 def test_activation_rounding_ties_and_nan(backend):
-    """The A8 row quantizer every backend shares: ties round to even as torch.round, a row's largest value maps
-    to 127, a zero row to zeros, and a NaN row gives NaN (its scale is NaN), never a crash or a finite lie."""
+    """Each backend's build of the A8 row quantizer (quant_row.h): ties round to even as torch.round, a row's
+    largest value maps to 127, a zero row to zeros, and a NaN row gives NaN (its scale is NaN), never a crash or a
+    finite lie. K = 40 runs both a vector body and a scalar tail at every vector width."""
     from cpumoe.models.packed_linear import QuantizedLinear
     K = 40  # not a multiple of 32: the padded tail must not count
     w = torch.eye(K)
