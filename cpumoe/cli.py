@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cpumoe.bench.results import add_db_arguments
-from cpumoe.cli_args import names, positive_ints, stdout_console, weight_formats
+from cpumoe.cli_args import names, positive_int, positive_ints, stdout_console, weight_formats
 from cpumoe.engine.config import EngineConfig
 from cpumoe.server import limits
 
@@ -237,6 +237,9 @@ def _add_bench(commands) -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write every result here")
     p.add_argument("--repeats", type=int, default=3, help="round-robin repetitions of every case (default 3)")
+    p.add_argument("--prefill-prompts", type=positive_int,
+                   help="with several checkpoints: prompts per case and repetition that each prefills in turn, for "
+                        "the prefill ratios (default: bench.model.PREFILL_PROMPTS, 4)")
     p.add_argument("--quick", action="store_true", help="one repetition, a smaller bandwidth probe and mm (smoke runs)")
     p.add_argument("--speculative-config", type=_speculative, action="append", metavar="JSON",
                    help="instead: speculative decoding against none, same run; repeatable. " + SPECULATIVE_HELP)
@@ -325,8 +328,8 @@ def _write_json(report: dict, path: str | None, console: Console) -> None:
 def _cmd_bench_model(args) -> int:
     import itertools
 
-    from cpumoe.bench.model import (ModelCase, render_formats_report, render_model_report, run_formats_bench,
-                                    run_model_bench)
+    from cpumoe.bench.model import (PREFILL_PROMPTS, ModelCase, render_formats_report, render_model_report,
+                                    run_formats_bench, run_model_bench)
 
     if args.threads is not None:
         if args.threads < 1:
@@ -349,6 +352,7 @@ def _cmd_bench_model(args) -> int:
             paths = [p for p in args.model for _ in range(2 if args.batch_invariant else 1)]
             report = run_formats_bench(paths, cases, dtype=args.dtype, quick=args.quick, repeats=args.repeats,
                                        progress=Console(stderr=True),
+                                       prefill_prompts=args.prefill_prompts or PREFILL_PROMPTS,
                                        batch_invariant=[args.batch_invariant and i % 2 == 1 for i in range(len(paths))])
         else:
             report = run_model_bench(args.model[0], cases, dtype=args.dtype, compare_naive=args.compare == "naive",

@@ -44,6 +44,7 @@ from cpumoe.routing import select_experts
 
 MM_SIZE = 4096
 REPEATS = 3            # round-robin repetitions of every case
+PREFILL_PROMPTS = 4    # prefills per case and repetition that every checkpoint runs in turn (bench of several)
 QUICK_MM_SIZE = 1024
 
 
@@ -351,17 +352,68 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
                 results=[asdict(r) for r in results], batch_scaling=batch_scaling(results, weights))
 
 
+def time_prefill(engine: LLMEngine, prompts: list[list[int]]) -> float:
+    """Seconds to prefill `prompts` together and sample each one token."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"prefill-{i}", prompt, params)
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def interleaved_prefills(engines: Sequence[LLMEngine], case: ModelCase, prompts: int, seed: int) -> list[list[float]]:
+    """Per engine, the seconds of `prompts` prefills of the case's batch and input length, each prompt prefilled by
+    every engine in turn: each ratio between engines then comes from the same few seconds."""
+    vocab = engines[0].model.config.vocab_size
+    g = torch.Generator().manual_seed(104729 + seed * 7919 + case.batch * 131 + case.input_len)
+    seconds: list[list[float]] = [[] for _ in engines]
+    for _ in range(prompts):
+        batch = torch.randint(0, vocab, (case.batch, case.input_len), generator=g).tolist()
+        for engine, times in zip(engines, seconds):
+            times.append(time_prefill(engine, batch))
+    return seconds
+
+
+def interleaved_decode(engines: Sequence[LLMEngine], case: ModelCase, seed: int) -> list[list[float]]:
+    """Per engine, the seconds of each decode step of the case (its batch of prompts, each decoding to the output
+    length), the engines stepping in turn: step i of one and step i of the next ran milliseconds apart, where one
+    case after another would be a minute apart. The prefill steps are not timed."""
+    vocab = engines[0].model.config.vocab_size
+    g = torch.Generator().manual_seed(611953 + seed * 7919 + case.batch * 131 + case.input_len)
+    prompts = torch.randint(0, vocab, (case.batch, case.input_len), generator=g).tolist()
+    params = SamplingParams(max_tokens=case.output_len, temperature=0, ignore_eos=True)
+    for engine in engines:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"decode-{i}", prompt, params)
+        started: set[str] = set()
+        while len(started) < case.batch and engine.has_unfinished():
+            started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    seconds: list[list[float]] = [[] for _ in engines]
+    while any(engine.has_unfinished() for engine in engines):
+        for engine, times in zip(engines, seconds):
+            if engine.has_unfinished():
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+    return seconds
+
+
 def run_formats_bench(model_paths: Sequence, cases: Sequence[ModelCase], *, dtype: torch.dtype | None = None,
                       quick: bool = False, repeats: int = REPEATS, progress: Console | None = None,
-                      batch_invariant: Sequence[bool] | None = None) -> dict:
+                      batch_invariant: Sequence[bool] | None = None, prefill_prompts: int = PREFILL_PROMPTS) -> dict:
     """Several checkpoints of one model (bf16 and its quantized twins from `cpumoe quantize`) side by side: all
     engines stay loaded and every repetition runs each case on each in turn, so the ratios to the first checkpoint
-    (decode tokens/s, prefill rate) come from the same minutes. Beside each decode ratio, the most a weight stream
+    come from the same minutes. The speed-ups come from more runs of each case per repetition, interleaved: decode
+    from the checkpoints stepping in turn, prefill from `prefill_prompts` prompts each prefilled by every checkpoint
+    in turn (a case's own TTFT and ITL are one sample each of a machine whose speed moves by tens of percent from
+    one second to the next). Beside each decode ratio, the most a weight stream
     allows: the first checkpoint's decode-step bytes over this one's. Memory: each engine's load is measured as the
     resident growth and peak while it loads (the others already resident); per-case peaks hold every engine.
     batch_invariant: per checkpoint, its engine's EngineConfig.batch_invariant (a path may come twice, to measure
     the mode's cost; its rows are labelled "invariant")."""
-    repeats = 1 if quick else repeats
+    repeats, prefill_prompts = (1, 1) if quick else (repeats, prefill_prompts)
     config = engine_config(cases)
     engines, models = [], []
     for path, invariant in zip(model_paths, batch_invariant or [False] * len(model_paths)):
@@ -384,30 +436,53 @@ def run_formats_bench(model_paths: Sequence, cases: Sequence[ModelCase], *, dtyp
                 progress.print(f"[dim]{m['weights_format']}: warm-up, batch {case.batch}, input {case.input_len}[/]")
             run_case(engine, case, limits, weights)
     runs: dict[tuple[int, ModelCase], list[ModelResult]] = {}
+    prefills: dict[tuple[int, ModelCase], list[list[float]]] = {}
+    decodes: dict[tuple[int, ModelCase], list[list[float]]] = {}
     for rep in range(repeats):
         if progress is not None:
             progress.print(f"[dim]repetition {rep + 1} of {repeats}: {len(cases)} cases x {len(engines)} checkpoints[/]")
         for case in cases:
             for i, (engine, weights) in enumerate(engines):
                 runs.setdefault((i, case), []).append(run_case(engine, case, limits, weights, seed=1 + rep))
+            plain = [e for e, _ in engines]
+            for i, times in enumerate(interleaved_prefills(plain, case, prefill_prompts, seed=1 + rep)):
+                prefills.setdefault((i, case), []).append(times)
+            for i, times in enumerate(interleaved_decode(plain, case, seed=1 + rep)):
+                decodes.setdefault((i, case), []).append(times)
     results = []
     for case in cases:
         for i, m in enumerate(models):
             rs = runs[(i, case)]
             results.append(dict(asdict(sorted(rs, key=lambda r: r.e2e_s)[len(rs) // 2]), model=i,
-                                weights_format=m["weights_format"]))
+                                weights_format=m["weights_format"],
+                                prefill_interleaved_ms=1e3 * statistics.median(sum(prefills[(i, case)], [])),
+                                decode_step_interleaved_ms=1e3 * statistics.median(sum(decodes[(i, case)], []))))
     return dict(cpu=cpu_model(), threads=torch.get_num_threads(), features=ops.cpu_features(), models=models,
                 kv_cache_gb=config.num_blocks * config.block_size * engines[0][1].kv_per_token / 1e9,
-                results=results, comparison=format_comparison(results, runs, [w for _, w in engines]))
+                results=results,
+                comparison=format_comparison(results, runs, [w for _, w in engines], prefills, decodes))
+
+
+def paired_speedup(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]]) -> tuple[float, tuple, int]:
+    """Seconds per repetition, the i-th of `base` and of `other` run back to back -> (median of all the pairs'
+    ratios base / other, range of the repetitions' medians, number of pairs)."""
+    per_rep = [[a / b for a, b in zip(ra, rb)] for ra, rb in zip(base, other)]
+    medians = [statistics.median(r) for r in per_rep]
+    return statistics.median(sum(per_rep, [])), (min(medians), max(medians)), sum(map(len, per_rep))
 
 
 def format_comparison(results: Sequence[dict], runs: dict[tuple[int, ModelCase], list[ModelResult]],
-                      weights: Sequence[WeightBytes]) -> list[dict]:
+                      weights: Sequence[WeightBytes],
+                      prefills: dict[tuple[int, ModelCase], list[list[float]]] | None = None,
+                      decodes: dict[tuple[int, ModelCase], list[list[float]]] | None = None) -> list[dict]:
     """Each checkpoint's case against the first checkpoint's same case: decode and prefill speed-ups, and the
     decode bound (bytes of the first's decode step over this one's, at this case's measured routing).
 
-    A speed-up is the median over repetitions of the ratio within each repetition, where the two ran a minute
-    apart, with the range of those ratios: the machine's speed drifts between repetitions by more than the
+    prefills, decodes: per (checkpoint, case) and repetition, the seconds of prefills and decode steps that every
+    checkpoint ran in turn (interleaved_prefills, interleaved_decode): a speed-up is then the median of the ratios
+    of those pairs, which ran seconds apart, and its range that of the repetitions' medians. Without them it pairs
+    the cases' own runs: the median over repetitions of the ratio within each, where the two ran a minute apart.
+    Either way the ratios are taken pair by pair: the machine's speed drifts between repetitions by more than the
     formats differ (a 512-token bf16 prefill measured 0.8 s and 1.3 s in one run), so a ratio of two medians
     taken from different repetitions reads that drift as a speed-up."""
     by_key = {(c.batch, c.input_len, c.output_len): c for _, c in runs}
@@ -417,19 +492,26 @@ def format_comparison(results: Sequence[dict], runs: dict[tuple[int, ModelCase],
         key = (r["batch"], r["input_len"], r["output_len"])
         if r["model"] == 0:
             continue
-        base = first[key]
+        base, case = first[key], by_key[key]
         context = r["input_len"] + r["output_len"] / 2
         bound = weights[0].decode_step_bytes(r["batch"], context, base["decode_experts_per_layer"]) / \
             weights[r["model"]].decode_step_bytes(r["batch"], context, r["decode_experts_per_layer"])
-        pairs = list(zip(runs[(0, by_key[key])], runs[(r["model"], by_key[key])]))
-        decode = [b.decode_tok_s / a.decode_tok_s for a, b in pairs]
-        prefill = [b.prefill_gflops / a.prefill_gflops for a, b in pairs]
+        pairs = list(zip(runs[(0, case)], runs[(r["model"], case)]))
+        if decodes:
+            decode, decode_range, decode_pairs = paired_speedup(decodes[(0, case)], decodes[(r["model"], case)])
+        else:
+            ratios = [b.decode_tok_s / a.decode_tok_s for a, b in pairs]
+            decode, decode_range, decode_pairs = statistics.median(ratios), (min(ratios), max(ratios)), len(ratios)
+        if prefills:
+            prefill, prefill_range, prefill_pairs = paired_speedup(prefills[(0, case)], prefills[(r["model"], case)])
+        else:
+            ratios = [b.prefill_gflops / a.prefill_gflops for a, b in pairs]
+            prefill, prefill_range, prefill_pairs = statistics.median(ratios), (min(ratios), max(ratios)), len(ratios)
         rows.append(dict(weights_format=r["weights_format"], model=r["model"], batch=r["batch"],
                          input_len=r["input_len"], output_len=r["output_len"],
-                         decode_speedup=statistics.median(decode), decode_speedup_range=(min(decode), max(decode)),
+                         decode_speedup=decode, decode_speedup_range=decode_range, decode_pairs=decode_pairs,
                          decode_bound=bound,
-                         prefill_speedup=statistics.median(prefill),
-                         prefill_speedup_range=(min(prefill), max(prefill)),
+                         prefill_speedup=prefill, prefill_speedup_range=prefill_range, prefill_pairs=prefill_pairs,
                          ttft_ratio=base["ttft_ms"] / r["ttft_ms"]))
     return rows
 
@@ -450,15 +532,17 @@ def render_formats_report(report: dict, console: Console) -> None:
     console.print(models)
     table = Table(title="side by side (each case on each checkpoint in turn, every repetition)", title_justify="left")
     for name in ("batch", "in", "out", "weights", "TTFT ms", "ITL ms", "decode tok/s", "decode GB/s", "% bw",
-                 "prefill GFLOP/s", "% mm"):
+                 "prefill GFLOP/s", "% mm", "in turn: prefill ms", "step ms"):
         table.add_column(name, justify="right", no_wrap=True)
     for r in report["results"]:
         table.add_row(str(r["batch"]), str(r["input_len"]), str(r["output_len"]), r["weights_format"],
                       f"{r['ttft_ms']:.1f}", f"{r['itl_ms']:.2f}", f"{r['decode_tok_s']:.1f}", f"{r['decode_gbs']:.1f}",
-                      f"{r['decode_bandwidth_pct']:.0f}%", f"{r['prefill_gflops']:.0f}", f"{r['prefill_mm_pct']:.0f}%")
+                      f"{r['decode_bandwidth_pct']:.0f}%", f"{r['prefill_gflops']:.0f}", f"{r['prefill_mm_pct']:.0f}%",
+                      f"{r['prefill_interleaved_ms']:.0f}", f"{r['decode_step_interleaved_ms']:.2f}")
     console.print(table)
-    comparison = Table(title=f"against {report['models'][0]['weights_format']} (median and range of the ratios within "
-                             "each repetition; bound: decode-step bytes)",
+    comparison = Table(title=f"against {report['models'][0]['weights_format']} (the median of the ratios of decode "
+                             "steps and of prefills that the checkpoints ran in turn, and the range of the "
+                             "repetitions' medians; bound: decode-step bytes)",
                        title_justify="left")
     for name in ("batch", "in", "out", "weights", "decode speedup", "range", "bound", "% of bound",
                  "prefill speedup", "range"):

@@ -79,6 +79,9 @@ def test_bench_model_quantized_checkpoints_side_by_side(tmp_path, capsys):
                                                                  (2, "int4_w4a16"), (2, "fp8_w8a16")]
     for c in rows:
         assert c["decode_speedup"] > 0 and c["prefill_speedup"] > 0 and c["decode_bound"] > 1, c
+        # --quick: one prompt of each case prefilled by each checkpoint in turn; its output length - 1 decode steps
+        assert c["prefill_pairs"] == 1 and c["decode_pairs"] == 2, c
+    assert all(r["prefill_interleaved_ms"] > 0 and r["decode_step_interleaved_ms"] > 0 for r in report["results"])
     assert "against bf16" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--compare naive takes one checkpoint"):
         main(["bench", "model", str(src), str(int4), "--compare", "naive", "--batch", "1", "--input-len", "4",
@@ -103,6 +106,16 @@ def test_format_speedups_pair_each_repetition():
     [row] = format_comparison(results, runs, [weights, weights])
     assert row["decode_speedup"] == pytest.approx(2.0) and row["decode_speedup_range"] == pytest.approx((2.0, 2.1))
     assert row["prefill_speedup"] == pytest.approx(1.5) and row["prefill_speedup_range"] == pytest.approx((1.5, 1.6))
+    # With prefills and decode steps that both ran in turn, the ratios pair those, not the cases' own runs: here
+    # the machine ran at half speed for the second prompt, and the checkpoint prefills 1.25x faster each time; its
+    # decode steps are 1.5x faster in the first repetition and 2x in the second.
+    prefills = {(0, case): [[1.0, 2.0], [1.0, 1.1]], (1, case): [[0.8, 1.6], [0.8, 0.88]]}
+    decodes = {(0, case): [[0.03, 0.03, 0.06], [0.02, 0.02]], (1, case): [[0.02, 0.02, 0.04], [0.01, 0.01]]}
+    [row] = format_comparison(results, runs, [weights, weights], prefills, decodes)
+    assert row["prefill_speedup"] == pytest.approx(1.25) and row["prefill_speedup_range"] == pytest.approx((1.25, 1.25))
+    assert row["prefill_pairs"] == 4
+    assert row["decode_speedup"] == pytest.approx(1.5) and row["decode_speedup_range"] == pytest.approx((1.5, 2.0))
+    assert row["decode_pairs"] == 5
 
 
 def test_bench_model_batch_invariant_side_by_side(tmp_path, capsys):
