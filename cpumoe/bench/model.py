@@ -15,6 +15,8 @@
       scaling    decode tokens/s at batch B over batch 1, beside the bound of the weight bytes each step reads
 With `--compare naive` a second engine runs the experts on the naive backend, after the first one's cases and with
 the first engine freed, so each engine's load peak and serving peak are its own.
+Several checkpoints (one and its `cpumoe quantize` twins) stay loaded together: each runs every case on its own as
+above, and the speed-ups against the first come from decode steps and prefills that the checkpoints run in turn.
 Peak RSS: VmHWM of /proc/self/status, reset (clear_refs) before each load and each case; ru_maxrss where
 that is not available (then a process-wide high-water mark).
 """
