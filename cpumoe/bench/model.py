@@ -410,9 +410,9 @@ def run_formats_bench(model_paths: Sequence, cases: Sequence[ModelCase], *, dtyp
     come from the same minutes. The speed-ups come from more runs of each case per repetition, interleaved: decode
     from the checkpoints stepping in turn, prefill from `prefill_prompts` prompts each prefilled by every checkpoint
     in turn (a case's own TTFT and ITL are one sample each of a machine whose speed moves by tens of percent from
-    one second to the next). Beside each decode ratio, the most a weight stream
-    allows: the first checkpoint's decode-step bytes over this one's. Memory: each engine's load is measured as the
-    resident growth and peak while it loads (the others already resident); per-case peaks hold every engine.
+    one second to the next). Beside each decode ratio, the most a weight stream allows: the first checkpoint's
+    decode-step bytes over this one's. Memory: each engine's load is measured as the resident growth and peak while
+    it loads (the others already resident); per-case peaks hold every engine.
     batch_invariant: per checkpoint, its engine's EngineConfig.batch_invariant (a path may come twice, to measure
     the mode's cost; its rows are labelled "invariant")."""
     repeats, prefill_prompts = (1, 1) if quick else (repeats, prefill_prompts)
