@@ -211,11 +211,16 @@ class ExpertCounter:
         return per_layer
 
 
+def random_prompts(engine: LLMEngine, case: ModelCase, seed: int, g: torch.Generator | None = None) -> list[list[int]]:
+    """The case's batch of random prompts of its input length: from `seed` (a run and its case), or drawn on from g."""
+    if g is None:
+        g = torch.Generator().manual_seed(seed * 7919 + case.batch * 131 + case.input_len)
+    return torch.randint(0, engine.model.config.vocab_size, (case.batch, case.input_len), generator=g).tolist()
+
+
 def run_case(engine: LLMEngine, case: ModelCase, limits: MachineLimits, weights: WeightBytes,
              seed: int = 0) -> ModelResult:
-    vocab = engine.model.config.vocab_size
-    g = torch.Generator().manual_seed(seed * 7919 + case.batch * 131 + case.input_len)
-    prompts = torch.randint(0, vocab, (case.batch, case.input_len), generator=g).tolist()
+    prompts = random_prompts(engine, case, seed)
     params = SamplingParams(max_tokens=case.output_len, temperature=0, ignore_eos=True)
     bandwidth, mm_gflops = limits.measure()
     gc.collect()
@@ -368,11 +373,10 @@ def time_prefill(engine: LLMEngine, prompts: list[list[int]]) -> float:
 def interleaved_prefills(engines: Sequence[LLMEngine], case: ModelCase, prompts: int, seed: int) -> list[list[float]]:
     """Per engine, the seconds of `prompts` prefills of the case's batch and input length, each prompt prefilled by
     every engine in turn: each ratio between engines then comes from the same few seconds."""
-    vocab = engines[0].model.config.vocab_size
-    g = torch.Generator().manual_seed(104729 + seed * 7919 + case.batch * 131 + case.input_len)
+    g = torch.Generator().manual_seed(104729 + seed)  # prompts of their own, not the cases'
     seconds: list[list[float]] = [[] for _ in engines]
     for _ in range(prompts):
-        batch = torch.randint(0, vocab, (case.batch, case.input_len), generator=g).tolist()
+        batch = random_prompts(engines[0], case, seed, g)
         for engine, times in zip(engines, seconds):
             times.append(time_prefill(engine, batch))
     return seconds
@@ -382,9 +386,7 @@ def interleaved_decode(engines: Sequence[LLMEngine], case: ModelCase, seed: int)
     """Per engine, the seconds of each decode step of the case (its batch of prompts, each decoding to the output
     length), the engines stepping in turn: step i of one and step i of the next ran milliseconds apart, where one
     case after another would be a minute apart. The prefill steps are not timed."""
-    vocab = engines[0].model.config.vocab_size
-    g = torch.Generator().manual_seed(611953 + seed * 7919 + case.batch * 131 + case.input_len)
-    prompts = torch.randint(0, vocab, (case.batch, case.input_len), generator=g).tolist()
+    prompts = random_prompts(engines[0], case, seed, torch.Generator().manual_seed(611953 + seed))
     params = SamplingParams(max_tokens=case.output_len, temperature=0, ignore_eos=True)
     for engine in engines:
         for i, prompt in enumerate(prompts):
