@@ -57,6 +57,13 @@ def pack_linear(weight: torch.Tensor, backend: str) -> torch.Tensor:
     return torch.ops.cpumoe.pack_w2(weight.unsqueeze(0).contiguous(), backend)
 
 
+def join_packed_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Packed linear weights (pack_linear, or pack_quant of one [N, K] matrix) of one packing and input width ->
+    the packing of their rows joined in order, without repacking: a packing's blocks hold whole rows, so this
+    needs each part's rows to fill its last block (ValueError otherwise)."""
+    return _C.join_packed_rows(parts)
+
+
 def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, *, backend: str,
            out_features: int) -> torch.Tensor:
     """x [..., K] -> [..., out_features], the dtype of x, on the experts' w2 tiles of `backend`."""
@@ -120,11 +127,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_in_flo
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                   norm_eps: float = 1e-6) -> None:
     """RoPE (rotate_half) on q [T, nh, d] and k [T, nkv, d] in place with cos, sin [T, d], then k and v [T, nkv, dv]
     into the caches [blocks, block_size, nkv, d | dv] at slot_mapping [T] (csrc/core/rope.h); all in q's dtype,
-    rounded as torch's elementwise ops round."""
-    torch.ops.cpumoe.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    rounded as torch's elementwise ops round. With q_norm and k_norm (weights [d] in q's dtype), each head of q and
+    k is first RMS-normalized as rms_norm does it (Qwen3's per-head q/k norm), bit for bit."""
+    torch.ops.cpumoe.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, norm_eps)
 
 
 def attention_backends() -> list[str]:
@@ -219,8 +229,9 @@ def _decode_attention_fake(q, k_cache, v_cache, block_table, key_begin, key_end,
 
 
 @torch.library.register_fake("cpumoe::rope_and_cache")
-def _rope_and_cache_fake(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
-    _no_meta_weights(q, k_cache=k_cache, v_cache=v_cache)
+def _rope_and_cache_fake(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm=None, k_norm=None,
+                         norm_eps=1e-6):
+    _no_meta_weights(q, k_cache=k_cache, v_cache=v_cache, q_norm=q_norm, k_norm=k_norm)
 
 
 @torch.library.register_fake("cpumoe::rms_norm")

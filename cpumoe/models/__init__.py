@@ -29,7 +29,7 @@ from cpumoe import ops
 from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.loader.quantized import QuantizedCheckpoint
 from cpumoe.logs import logger
-from cpumoe.models.blocks import ExpertWeights, MoEBlock
+from cpumoe.models.blocks import Attention, ExpertWeights, MoEBlock
 from cpumoe.models.causal_lm import CausalLM
 from cpumoe.models.packed_linear import QuantizedLinear, pack_linears
 from cpumoe.models.registry import ARCHITECTURES, architecture, model_presets
@@ -100,6 +100,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, dtype: torch.dtype, quantize
     # around them and the loaded model stays ~10% larger than its weights.
     module = param = None
     pack_linears(model, dtype, backend)
+    _join_projections(model)
     ops.release_free_memory()
     specs = arch.expert_weights(config)
     for prefix, block in model.named_modules():
@@ -107,6 +108,17 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, dtype: torch.dtype, quantize
             custom = arch.experts_from_checkpoint(config, ckpt, prefix, block, dtype)
             _load_block_experts(block, prefix, ckpt, specs, quantized, dtype, custom)
             ops.release_free_memory()  # the layer's transient buffers, before the next layer's stacks settle
+
+
+def _join_projections(model: CausalLM) -> None:
+    """q, k and v as one GEMM in each attention layer whose packed projections can join (Attention.join_projections):
+    at decode a projection call has a fixed cost beside its bytes, paid once instead of three times."""
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    why_not = [why for m in attentions if (why := m.join_projections()) is not None]
+    if attentions:
+        logger.info("q/k/v projections run as one GEMM in %d of %d attention layers%s",
+                    len(attentions) - len(why_not), len(attentions),
+                    f" (the others run three: {why_not[0]})" if why_not else "")
 
 
 def _load_block_experts(block: MoEBlock, prefix: str, ckpt: Checkpoint, specs: dict,

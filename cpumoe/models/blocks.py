@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from cpumoe import ops
 from cpumoe.attention import AttentionContext, causal_attention, paged_attention, row_attention
 from cpumoe.layer import FusedMoE
+from cpumoe.models.packed_linear import join_linears
 from cpumoe.models.rope import rope_parameters
 
 
@@ -149,13 +150,30 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # [nh]
         self.sliding_window = sliding_window
         self.batch_invariant = False  # paged forward: row_attention instead of paged_attention
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one GEMM, once packed (join_projections)
+        self._head_norms_fusable: bool | None = None  # see _fused_head_norms
 
     def make_batch_invariant(self) -> None:
         self.batch_invariant = True
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., H] -> q [..., nh, d], k and v [..., nkv, d], normed and clipped, before RoPE."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [..., nh * d], [..., nkv * d] x2
+    def join_projections(self) -> str | None:
+        """Run q_proj, k_proj and v_proj as one packed GEMM, qkv_proj (packed_linear.join_linears), in place of
+        the three; None when done, else why their packing cannot join (they stay three)."""
+        try:
+            self.qkv_proj = join_linears([self.q_proj, self.k_proj, self.v_proj])
+        except ValueError as e:
+            return str(e)
+        self.q_proj = self.k_proj = self.v_proj = None
+        return None
+
+    def _qkv(self, x: torch.Tensor, head_norm: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., H] -> q [..., nh, d], k and v [..., nkv, d], normed and clipped, before RoPE (head_norm False:
+        without the per-head q/k norm, which the caller fuses)."""
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [..., nh * d], [..., nkv * d] x2
+        else:
+            kv = self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split_with_sizes((self.num_heads * self.head_dim, kv, kv), dim=-1)
         if self.qk_norm == QKNorm.FULL:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -164,9 +182,21 @@ class Attention(nn.Module):
         q = q.view(*lead, self.num_heads, self.head_dim)  # [..., nh, d]
         k = k.view(*lead, self.num_kv_heads, self.head_dim)  # [..., nkv, d]
         v = v.view(*lead, self.num_kv_heads, self.head_dim)  # [..., nkv, d]
-        if self.qk_norm == QKNorm.HEAD:
+        if self.qk_norm == QKNorm.HEAD and head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
+
+    def _fused_head_norms(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The q/k norm weights rope_and_cache applies itself (per-head norms in the Llama order, weights in the
+        activations' dtype); None where the norm modules run (no per-head norm, or another rounding). The
+        structural checks are made once (~30 us a layer at every step otherwise)."""
+        if self._head_norms_fusable is None:
+            self._head_norms_fusable = (self.qk_norm == QKNorm.HEAD and not self.q_norm.weight_in_float
+                                        and not self.k_norm.weight_in_float and self.q_norm.eps == self.k_norm.eps)
+        if not self._head_norms_fusable or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        q_weight, k_weight = self.q_norm.weight, self.k_norm.weight
+        return (q_weight, k_weight) if q_weight.dtype == dtype and k_weight.dtype == dtype else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, context: AttentionContext | None = None,
                 layer: int = 0) -> torch.Tensor:
@@ -186,12 +216,15 @@ class Attention(nn.Module):
     def _forward_paged(self, x: torch.Tensor, positions: torch.Tensor, context: AttentionContext,
                        layer: int) -> torch.Tensor:  # x [T, H], positions [T]
         T = x.shape[0]
-        q, k, v = self._qkv(x)  # [T, nh, d], [T, nkv, d], [T, nkv, d]
+        norms = self._fused_head_norms(x.dtype)
+        q, k, v = self._qkv(x, head_norm=norms is None)  # [T, nh, d], [T, nkv, d], [T, nkv, d]
         cos, sin = self.rotary.for_step(positions, x.dtype, context)  # [T, d]
         k_cache, v_cache = context.kv_caches[layer]  # [num_blocks, block_size, nkv, d]
-        # RoPE on q and k in place, then k and v into their slots: one op (apply_rotary and two index_puts)
+        # (q/k norm,) RoPE on q and k in place, then k and v into their slots: one op (two RMSNorms, apply_rotary
+        # and two index_puts)
         q, k, v = q.contiguous(), k.contiguous(), v.to(v_cache.dtype).contiguous()
-        ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, context.slot_mapping)
+        ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, context.slot_mapping,
+                           *(norms or (None, None)), self.q_norm.eps if norms else 1e-6)
         attention = row_attention if self.batch_invariant else paged_attention
         out = attention(q, k_cache, v_cache, context, sinks=self.sinks, sliding_window=self.sliding_window)  # [T, nh, d]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]

@@ -37,6 +37,18 @@ class PackedLinear(nn.Module):
         self.weight = weight if keep_weight else None
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
+    @classmethod
+    def from_packed(cls, packed_weight: torch.Tensor, *, out_features: int, in_features: int, backend: str,
+                    bias: torch.Tensor | None) -> "PackedLinear":
+        """A PackedLinear over a weight packed already (join_linears)."""
+        linear = cls.__new__(cls)
+        nn.Module.__init__(linear)
+        linear.out_features, linear.in_features, linear.backend = out_features, in_features, backend
+        linear.register_buffer("packed_weight", packed_weight, persistent=False)
+        linear.weight = None
+        linear.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        return linear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         return ops.linear(x.contiguous(), self.packed_weight, self.bias, backend=self.backend,
                           out_features=self.out_features)
@@ -71,6 +83,19 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype, device="meta"), requires_grad=False) \
             if has_bias else None
 
+    @classmethod
+    def from_packed(cls, packed_weight: torch.Tensor, *, like: "QuantizedLinear", out_features: int,
+                    bias: torch.Tensor | None) -> "QuantizedLinear":
+        """A QuantizedLinear of `like`'s format, group and backend over a weight packed already (join_linears)."""
+        linear = cls.__new__(cls)
+        nn.Module.__init__(linear)
+        linear.out_features, linear.in_features = out_features, like.in_features
+        linear.format, linear.group_size, linear.backend = like.format, like.group_size, like.backend
+        linear.register_buffer("packed_weight", packed_weight, persistent=False)
+        linear.dense_weight = None
+        linear.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        return linear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if self.packed_weight is None:
             return torch.nn.functional.linear(x, self.dense_weight, self.bias)
@@ -80,6 +105,31 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format.value}, "
                 f"backend={self.backend}")
+
+
+def join_linears(parts: list[nn.Module]) -> PackedLinear | QuantizedLinear:
+    """One projection whose output is the parts' outputs side by side (q, k and v: one weight stream and one call
+    where there were three), made from their packed weights without repacking them (ops.join_packed_rows). A
+    ValueError says why parts cannot join: not all PackedLinear or all QuantizedLinear on one backend, a
+    dequantized one, or a packing they do not share or whose rows do not fill its blocks."""
+    first = parts[0]
+    kinds = {type(p).__name__ for p in parts}
+    if kinds - {"PackedLinear", "QuantizedLinear"} or len(kinds) > 1:
+        raise ValueError(f"only cpumoe's packed projections of one kind join, got {sorted(kinds)}")
+    if any(p.packed_weight is None for p in parts):
+        raise ValueError("a dequantized projection (torch's GEMM) does not join")
+    if any(p.backend != first.backend for p in parts):
+        raise ValueError(f"the projections run on different backends: {[p.backend for p in parts]}")
+    packed = ops.join_packed_rows([p.packed_weight for p in parts])
+    biases = [p.bias for p in parts]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [torch.zeros(p.out_features, dtype=next(b for b in biases if b is not None).dtype) if p.bias is None
+         else p.bias.detach() for p in parts])
+    out_features = sum(p.out_features for p in parts)
+    if isinstance(first, QuantizedLinear):
+        return QuantizedLinear.from_packed(packed, like=first, out_features=out_features, bias=bias)
+    return PackedLinear.from_packed(packed, out_features=out_features, in_features=first.in_features,
+                                    backend=first.backend, bias=bias)
 
 
 def linear_backend(dtype: torch.dtype, backend: str = "auto") -> str:

@@ -13,14 +13,7 @@ template <DType D>
 void norm_row(const RmsNormArgs& a, const float* w, int64_t r, float* __restrict buf) {
   const int64_t dim = a.dim;
   for (int64_t k = 0; k < dim; ++k) buf[k] = load_f32<D>(a.x, r * dim + k);
-  float partial[16] = {};  // 16 running sums, so the loop vectorizes
-  int64_t k = 0;
-  for (; k + 16 <= dim; k += 16)
-    for (int j = 0; j < 16; ++j) partial[j] += buf[k + j] * buf[k + j];
-  float sum = 0.0f;
-  for (int j = 0; j < 16; ++j) sum += partial[j];
-  for (; k < dim; ++k) sum += buf[k] * buf[k];
-  const float inv = 1.0f / std::sqrt(sum / float(dim) + a.eps);
+  const float inv = inv_rms(buf, dim, a.eps);
   if (a.weight_in_float)
     for (int64_t i = 0; i < dim; ++i) buf[i] = w[i] * (buf[i] * inv);
   else

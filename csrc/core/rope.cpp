@@ -1,5 +1,7 @@
 #include "rope.h"
 
+#include "norm.h"
+
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -23,6 +25,15 @@ void rotate_row(void* p, const void* cos, const void* sin, int64_t t, int64_t d)
   }
 }
 
+// One head row of d values at p RMS-normalized in place with weight w [d] (float), as rms_norm rounds it.
+template <DType D>
+void norm_row(void* p, const float* w, int64_t d, float eps) {
+  float x[2 * kMaxHalf];
+  for (int64_t i = 0; i < d; ++i) x[i] = load_f32<D>(p, i);
+  const float inv = inv_rms(x, d, eps);
+  for (int64_t i = 0; i < d; ++i) store_f32<D>(p, i, w[i] * round_to<D>(x[i] * inv));
+}
+
 }  // namespace
 
 void rope_and_cache(const RopeCacheArgs& a, const Parallel& parallel) {
@@ -30,11 +41,19 @@ void rope_and_cache(const RopeCacheArgs& a, const Parallel& parallel) {
     throw std::invalid_argument("rope_and_cache: head dim " + std::to_string(a.d) + " above " +
                                 std::to_string(2 * kMaxHalf));
   const int64_t es = dtype_size(a.dtype);
+  const bool norm = a.q_norm != nullptr;
+  float qw[2 * kMaxHalf], kw[2 * kMaxHalf];
+  for (int64_t i = 0; norm && i < a.d; ++i)
+    qw[i] = load_as_f32(a.q_norm, i, a.dtype), kw[i] = load_as_f32(a.k_norm, i, a.dtype);
   parallel_items(parallel, a.tokens, [&](int64_t t) {
     char* q = static_cast<char*>(a.q) + t * a.nh * a.d * es;
     char* k = static_cast<char*>(a.k) + t * a.nkv * a.d * es;
     with_dtype(a.dtype, [&](auto tag) {
       constexpr DType D = decltype(tag)::value;
+      if (norm) {
+        for (int64_t h = 0; h < a.nh; ++h) norm_row<D>(q + h * a.d * es, qw, a.d, a.norm_eps);
+        for (int64_t h = 0; h < a.nkv; ++h) norm_row<D>(k + h * a.d * es, kw, a.d, a.norm_eps);
+      }
       for (int64_t h = 0; h < a.nh; ++h) rotate_row<D>(q + h * a.d * es, a.cos, a.sin, t, a.d);
       for (int64_t h = 0; h < a.nkv; ++h) rotate_row<D>(k + h * a.d * es, a.cos, a.sin, t, a.d);
     });

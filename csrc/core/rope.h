@@ -5,6 +5,8 @@
 //   q [T][nh][d], k [T][nkv][d], v [T][nkv][dv], cos/sin [T][d] (the token's angles, halves repeated);
 //   x[i] <- x[i] cos[i] - x[i + d/2] sin[i],  x[i + d/2] <- x[i + d/2] cos[i + d/2] + x[i] sin[i + d/2]
 //   k_cache/v_cache [slots][nkv][d | dv]: row slot[t] <- k[t], v[t]
+// With q_norm and k_norm (weights [d], Qwen3's per-head q/k RMSNorm), each head row of q and k is first
+// RMS-normalized as rms_norm does it (Llama order: the normalized row rounded, then the weight), bit for bit.
 #pragma once
 #include <cstdint>
 
@@ -22,6 +24,9 @@ struct RopeCacheArgs {
   void* k_cache = nullptr;            // [slots][nkv][d]
   void* v_cache = nullptr;            // [slots][nkv][dv]
   const int64_t* slots = nullptr;     // [tokens]
+  const void* q_norm = nullptr;       // [d] or none: RMSNorm weight of each q head row, before RoPE
+  const void* k_norm = nullptr;       // [d] or none: the same for k (given together with q_norm)
+  float norm_eps = 1e-6f;
   int64_t tokens = 0, nh = 0, nkv = 0, d = 0, dv = 0;
   DType dtype = DType::kBFloat16;
 };

@@ -5,7 +5,10 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "../core/cpu_features.h"
 #include "../core/fused_moe.h"
@@ -128,6 +131,49 @@ at::Tensor pack(const at::Tensor& w, const std::string& kernel, bool is_w13) {
 
 at::Tensor pack_w13_op(const at::Tensor& w13, std::string_view kernel) { return pack(w13, std::string(kernel), true); }
 at::Tensor pack_w2_op(const at::Tensor& w2, std::string_view kernel) { return pack(w2, std::string(kernel), false); }
+
+// Blocks of a packing of `rows` rows like `info`'s.
+int64_t packed_blocks(const PackedInfo& info, int64_t rows) {
+  return info.quant ? quant_shape_or_throw(info.format, rows, info.cols, info.group, false).blocks
+                    : w2_packed_shape(rows, info.cols, info.layout).blocks;
+}
+
+// Packed linear weights [1, blocks, block size] laid end to end: the packing of their rows joined (a packing's
+// blocks hold whole rows, so blocks of parts that fill their last one are the joined matrix's blocks).
+at::Tensor join_packed_rows(const std::vector<at::Tensor>& parts) {
+  TORCH_CHECK_VALUE(!parts.empty(), "join_packed_rows needs at least one packed weight");
+  const PackedInfo first = packed_info_or_throw(parts[0], "parts[0]");
+  const int64_t probe = int64_t(1) << 16;  // a multiple of every packing's rows per block
+  const int64_t rows_per_block = probe / packed_blocks(first, probe);
+  PackedInfo joined = first;
+  joined.rows = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const std::string name = "parts[" + std::to_string(i) + "]";
+    const PackedInfo info = packed_info_or_throw(parts[i], name.c_str());
+    const bool same = !info.w13 && info.quant == first.quant && info.cols == first.cols &&
+                      (info.quant ? info.format == first.format && info.group == first.group
+                                  : info.layout == first.layout && std::string(info.backend) == first.backend) &&
+                      parts[i].dim() == 3 && parts[i].size(0) == 1 && parts[i].size(2) == parts[0].size(2) &&
+                      parts[i].scalar_type() == parts[0].scalar_type();
+    TORCH_CHECK_VALUE(same, name, " was packed as ", info.describe(), ", parts[0] as ", first.describe(),
+                      ": only linear weights of one packing and input width join");
+    TORCH_CHECK_VALUE(info.rows % rows_per_block == 0, name, " has ", info.rows, " rows, not a multiple of the ",
+                      rows_per_block, " rows of a packed block: its padding rows would sit between the parts");
+    joined.rows += info.rows;
+  }
+  int64_t part_blocks = 0;
+  for (const at::Tensor& part : parts) part_blocks += part.size(1);
+  const int64_t blocks = packed_blocks(joined, joined.rows);
+  TORCH_CHECK(blocks == part_blocks, "join_packed_rows: the parts hold ", part_blocks, " blocks, a packing of their ",
+              joined.rows, " rows ", blocks);
+  at::Tensor out = empty_packed({1, blocks, parts[0].size(2)}, parts[0].scalar_type(), joined);
+  char* dst = static_cast<char*>(out.data_ptr());
+  for (const at::Tensor& part : parts) {
+    std::memcpy(dst, part.data_ptr(), part.nbytes());
+    dst += part.nbytes();
+  }
+  return out;
+}
 
 // The records of a fused op's packed w13 and w2 against the call: the same packing (layout or format and
 // group), w13 over the hidden size of the activations, w2 back to it, one intermediate size.
@@ -553,7 +599,8 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
 // RoPE on q and k in place, then k and v into their cache slots; see rope.h.
 void rope_and_cache_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& slot_mapping) {
+                       const at::Tensor& slot_mapping, const std::optional<at::Tensor>& q_norm,
+                       const std::optional<at::Tensor>& k_norm, double norm_eps) {
   for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&k_cache, "k_cache"},
                                 {&v_cache, "v_cache"}})
     check_dense(*t, name, t == &k_cache || t == &v_cache ? 4 : 3);
@@ -596,6 +643,17 @@ void rope_and_cache_op(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   a.k_cache = k_cache.data_ptr();
   a.v_cache = v_cache.data_ptr();
   a.slots = slot;
+  TORCH_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm are given together or not at all");
+  if (q_norm) {
+    for (const auto& [t, name] : {std::pair{&*q_norm, "q_norm"}, {&*k_norm, "k_norm"}}) {
+      check_dense(*t, name, 1);
+      TORCH_CHECK_VALUE(t->scalar_type() == q.scalar_type() && t->size(0) == d, name, " must be ", q.scalar_type(),
+                        " [", d, "] (a head's RMSNorm weight), got ", t->scalar_type(), " ", t->sizes());
+    }
+    a.q_norm = q_norm->data_ptr();
+    a.k_norm = k_norm->data_ptr();
+    a.norm_eps = float(norm_eps);
+  }
   rope_and_cache(a, kernel_parallel());
 }
 
@@ -606,7 +664,7 @@ TORCH_LIBRARY(cpumoe, m) {
         "float routed_scaling_factor) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool weight_in_float=False) -> Tensor");
   m.def("rope_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
-        "Tensor(d!) v_cache, Tensor slot_mapping) -> ()");
+        "Tensor(d!) v_cache, Tensor slot_mapping, Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=1e-6) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_begin, "
         "Tensor key_end, float scale, Tensor? sinks, str backend=\"\") -> Tensor");
   m.def("pack_w13(Tensor w13, str backend) -> Tensor");
@@ -685,6 +743,9 @@ PYBIND11_MODULE(_C, m) {
     return cpumoe::empty_packed(sizes, like.scalar_type(), info);
   }, "An uninitialized stack of `experts` packings recorded as `like` was (its shape but the first dimension), "
      "on memory of its own: for packing expert by expert", pybind11::arg("like"), pybind11::arg("experts"));
+  m.def("join_packed_rows", &cpumoe::join_packed_rows,
+        "One packed linear weight whose rows are those of `parts` in order (packed linear weights of one packing "
+        "and input width, each filling its last block of rows), on memory of its own", pybind11::arg("parts"));
   m.def("attention_backends", [] {
     std::vector<std::string> names;
     for (const cpumoe::KernelInfo& info : cpumoe::kernel_backends())

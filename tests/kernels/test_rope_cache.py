@@ -1,11 +1,12 @@
 """ops.rope_and_cache against the torch maths it replaces (apply_rotary on q and k, then index_put of k and v into
-the paged cache): bit for bit in float32, bf16 and fp16 over a grid of token counts, head counts and sizes, shuffled
-slots; bad inputs are refused by name; the fake kernel traces shapes."""
+the paged cache; with q_norm and k_norm, the per-head RMSNorm before them): bit for bit in float32, bf16 and fp16
+over a grid of token counts, head counts and sizes, shuffled slots; bad inputs are refused by name; the fake kernel
+traces shapes."""
 import pytest
 import torch
 
 from cpumoe import ops
-from cpumoe.models.blocks import RotaryEmbedding, apply_rotary
+from cpumoe.models.blocks import RotaryEmbedding, apply_rotary, rms_norm_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -39,7 +40,36 @@ def test_matches_the_torch_ops_bit_for_bit(dtype, T, nh, nkv, d, dv):
     assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc), "cache rows"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("T", [1, 5, 17])
+@pytest.mark.parametrize("nh,nkv,d", [(4, 2, 64), (8, 1, 128), (3, 3, 2), (6, 2, 40)],
+                         ids=["gqa-64", "mqa-128", "d2", "d40-tail"])
+def test_head_norms_match_rms_norm_then_rotary_bit_for_bit(dtype, T, nh, nkv, d):
+    """Qwen3's per-head q/k RMSNorm folded in: as the rms_norm op (and transformers) computes it, then RoPE. d = 40
+    sums a 16-wide body and a tail, as rms_norm does."""
+    q, k, v, cos, sin, k_cache, v_cache, slots = case(T, nh, nkv, d, d, dtype)
+    g = torch.Generator().manual_seed(T + d)
+    q_norm, k_norm = ((torch.rand(d, generator=g) + 0.5).to(dtype) for _ in range(2))
+    eps = 1e-5
+    normed_q, normed_k = ops.rms_norm(q, q_norm, eps), ops.rms_norm(k, k_norm, eps)
+    # the op is transformers' maths, up to the float32 sum's order (tests/kernels/test_rms_norm.py)
+    torch.testing.assert_close(normed_q, rms_norm_reference(q, q_norm, eps))
+    want_q = apply_rotary(normed_q, cos[:, None], sin[:, None])
+    want_k = apply_rotary(normed_k, cos[:, None], sin[:, None])
+    want_kc = k_cache.clone()
+    want_kc.view(-1, nkv, d)[slots] = want_k
+    ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots, q_norm, k_norm, eps)
+    assert torch.equal(q, want_q), f"q: max diff {(q.float() - want_q.float()).abs().max()}"
+    assert torch.equal(k, want_k), f"k: max diff {(k.float() - want_k.float()).abs().max()}"
+    assert torch.equal(k_cache, want_kc), "cache rows"
+
+
 @pytest.mark.parametrize("change,message", [
+    (lambda a: a.update(q_norm=torch.ones(8, dtype=torch.bfloat16)), "q_norm and k_norm are given together"),
+    (lambda a: a.update(q_norm=torch.ones(8), k_norm=torch.ones(8)), "q_norm must be BFloat16 \\[8\\]"),
+    (lambda a: a.update(q_norm=torch.ones(8, dtype=torch.bfloat16), k_norm=torch.ones(4, dtype=torch.bfloat16)),
+     "k_norm must be .*\\[8\\] \\(a head's RMSNorm weight\\)"),
+
     (lambda a: a.update(k=a["k"].float()), "k must be"),
     (lambda a: a.update(cos=a["cos"][:, :-2].contiguous(), sin=a["sin"][:, :-2].contiguous()), "cos and sin must be"),
     (lambda a: a.update(v=a["v"][:, :1].contiguous()), "v \\["),
@@ -80,6 +110,8 @@ def test_fake_kernel_and_meta_weights():
     with FakeTensorMode():
         q, k, v, cos, sin, k_cache, v_cache, slots = case(2, 4, 2, 8, 8, torch.bfloat16)
         ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+        norm = torch.ones(8, dtype=torch.bfloat16)
+        ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slots, norm, norm, 1e-6)
     q, k, v, cos, sin, k_cache, v_cache, slots = case(2, 4, 2, 8, 8, torch.bfloat16)
     with pytest.raises(ValueError, match="k_cache, v_cache are meta tensors"):
         ops.rope_and_cache(q, k, v, cos, sin, k_cache.to("meta"), v_cache.to("meta"), slots)

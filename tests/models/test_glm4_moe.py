@@ -117,7 +117,8 @@ def test_layers_assembled_as_the_config_says(pair):
     assert isinstance(attention, PartialRotaryAttention) and attention.head_dim == head_dim
     assert attention.rotary_dim == int(head_dim * c.rope_parameters["partial_rotary_factor"]), name
     assert (attention.q_norm is not None) == c.use_qk_norm
-    assert (attention.q_proj.bias is not None) == c.attention_bias and attention.o_proj.bias is None
+    q_proj = attention.qkv_proj or attention.q_proj  # joined with k and v where their packing allows
+    assert (q_proj.bias is not None) == c.attention_bias and attention.o_proj.bias is None
     assert (ours.lm_head is None) == c.tie_word_embeddings
     torch.testing.assert_close(moe.gate.e_score_correction_bias,
                                model.model.layers[first].mlp.gate.e_score_correction_bias, rtol=0, atol=0)
@@ -227,7 +228,8 @@ def test_block_fp8_checkpoint_matches_its_dequantized_twin(tmp_path):
     save(tiny_model(dtype=torch.bfloat16), tmp_path / "bf16")
     fp8 = quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8", "fp8", group_size=32).path
     ours = load_model(fp8, dtype=torch.bfloat16)
-    assert isinstance(ours.model.layers[0].self_attn.q_proj, QuantizedLinear)
+    attention = ours.model.layers[0].self_attn
+    assert isinstance(attention.qkv_proj or attention.q_proj, QuantizedLinear)
     assert all(m.experts.quantization == "fp8_w8a16" for m in ours.modules() if isinstance(m, DeepseekV3MoE))
     assert ours.model.layers[1].mlp.gate.weight.dtype == torch.float32
     twin = load_model(dequantized_twin(tmp_path / "bf16", fp8, tmp_path / "twin"), dtype=torch.bfloat16)
