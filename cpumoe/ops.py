@@ -126,6 +126,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_in_flo
     return torch.ops.cpumoe.rms_norm(x, weight, eps, weight_in_float)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 weight_in_float: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass: the residual add before a pre-norm. The sum is rounded
+    to x's dtype as torch's add rounds it, so both equal `s = x + residual; rms_norm(s, ...)` bit for bit.
+    residual: x's shape and dtype, contiguous."""
+    return torch.ops.cpumoe.add_rms_norm(x, residual, weight, eps, weight_in_float)
+
+
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
@@ -232,6 +240,12 @@ def _decode_attention_fake(q, k_cache, v_cache, block_table, key_begin, key_end,
 def _rope_and_cache_fake(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm=None, k_norm=None,
                          norm_eps=1e-6):
     _no_meta_weights(q, k_cache=k_cache, v_cache=v_cache, q_norm=q_norm, k_norm=k_norm)
+
+
+@torch.library.register_fake("cpumoe::add_rms_norm")
+def _add_rms_norm_fake(x, residual, weight, eps, weight_in_float=False):
+    _no_meta_weights(x, weight=weight)
+    return torch.empty_like(x), torch.empty_like(x)
 
 
 @torch.library.register_fake("cpumoe::rms_norm")

@@ -144,3 +144,23 @@ class DecoderLayer(nn.Module):
                 context: AttentionContext | None = None) -> torch.Tensor:  # x [B, T, H] or, with context, [T, H]
         x = x + self.self_attn(self.input_layernorm(x), positions, context, self.layer_idx)
         return x + self.get_submodule(self.mlp_name)(self.post_attention_layernorm(x))
+
+    @property
+    def adds_in_norms(self) -> bool:
+        """Whether forward_residual computes this layer: both norms are RMSNorms (their add_and_norm), and forward
+        is this class's own."""
+        return (type(self).forward is DecoderLayer.forward and isinstance(self.input_layernorm, RMSNorm)
+                and isinstance(self.post_attention_layernorm, RMSNorm))
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                         context: AttentionContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward with each residual add done by the norm after it (RMSNorm.add_and_norm: one pass, not an add
+        and a norm). The layer's input is x + residual (residual None: x); returns (mlp output, residual), whose
+        sum is its output, left for the next norm to add. The same values as forward, bit for bit."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        attn = self.self_attn(h, positions, context, self.layer_idx)
+        h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        return self.get_submodule(self.mlp_name)(h), residual

@@ -42,10 +42,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        if x.dtype != self.weight.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if not self._runs_op(x):
             # dtype promotion is part of the maths here (a float32 weight makes a float32 output): torch's
             return rms_norm_reference(x, self.weight, self.eps, self.weight_in_float)
         return ops.rms_norm(x.contiguous(), self.weight, self.eps, weight_in_float=self.weight_in_float)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual): the residual add before a pre-norm, in one pass (ops.add_rms_norm)
+        where the op runs this norm; the same values as the add and the norm apart."""
+        if not self._runs_op(x) or residual.dtype != x.dtype or residual.shape != x.shape:
+            total = x + residual
+            return self(total), total
+        return ops.add_rms_norm(x.contiguous(), residual.contiguous(), self.weight, self.eps,
+                                weight_in_float=self.weight_in_float)
+
+    def _runs_op(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from cpumoe.attention import AttentionContext, KVCacheLayout
-from cpumoe.models.architecture import Architecture
+from cpumoe.models.architecture import Architecture, DecoderLayer
+from cpumoe.models.blocks import RMSNorm
 from cpumoe.models.packed_linear import PackedLinear, QuantizedLinear
 
 
@@ -27,14 +28,28 @@ class DecoderModel(nn.Module):
         self.embed_tokens = embed_tokens
         self.layers = nn.ModuleList(layers)
         self.norm = norm
+        self._adds_in_norms: bool | None = None  # decided on the first forward (see adds_in_norms)
 
     def forward(self, input_ids: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         # no context: [B, T] -> [B, T, H]; with context: flat [T] -> [T, H]
         positions = torch.arange(input_ids.shape[-1]) if context is None else context.positions  # [T]
         x = self.embed_tokens(input_ids)  # [B, T, H] or [T, H]
+        if self.adds_in_norms:  # each residual add in the norm after it (DecoderLayer.forward_residual)
+            residual = None
+            for layer in self.layers:
+                x, residual = layer.forward_residual(x, residual, positions, context)
+            return self.norm.add_and_norm(x, residual)[0]
         for layer in self.layers:
             x = layer(x, positions, context)
         return self.norm(x)
+
+    @property
+    def adds_in_norms(self) -> bool:
+        """Every layer a DecoderLayer whose norms take the residual adds, and an RMSNorm at the end."""
+        if self._adds_in_norms is None:
+            self._adds_in_norms = isinstance(self.norm, RMSNorm) and all(
+                isinstance(layer, DecoderLayer) and layer.adds_in_norms for layer in self.layers)
+        return self._adds_in_norms
 
 
 class CausalLM(nn.Module):

@@ -12,7 +12,13 @@ constexpr int64_t kRowsPerItem = 16;  // a decode step's few rows stay on the ca
 template <DType D>
 void norm_row(const RmsNormArgs& a, const float* w, int64_t r, float* __restrict buf) {
   const int64_t dim = a.dim;
-  for (int64_t k = 0; k < dim; ++k) buf[k] = load_f32<D>(a.x, r * dim + k);
+  if (a.residual) {
+    for (int64_t k = 0; k < dim; ++k)
+      buf[k] = round_to<D>(load_f32<D>(a.x, r * dim + k) + load_f32<D>(a.residual, r * dim + k));
+    store_row(buf, static_cast<char*>(a.sum) + r * dim * dtype_size(D), dim, D);
+  } else {
+    for (int64_t k = 0; k < dim; ++k) buf[k] = load_f32<D>(a.x, r * dim + k);
+  }
   const float inv = inv_rms(buf, dim, a.eps);
   if (a.weight_in_float)
     for (int64_t i = 0; i < dim; ++i) buf[i] = w[i] * (buf[i] * inv);

@@ -3,6 +3,8 @@
 //   Llama/Qwen order:  y = dtype(weight * dtype(x * r))   (the normalized row rounded, then the weight)
 //   gpt-oss order:     y = dtype(weight * (x * r))        (weight_in_float: the weight in float32, then the cast)
 // One fused pass per row where torch runs ~7 ops; rows are split over the thread pool when there are many.
+// With a residual, the row is first x + residual rounded to the dtype (torch's add), written to `sum`, then
+// normalized: the residual add before a pre-norm, in the same pass (add_rms_norm).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -16,6 +18,8 @@ struct RmsNormArgs {
   const void* x = nullptr;       // [rows][dim], dtype
   const void* weight = nullptr;  // [dim], dtype
   void* out = nullptr;           // [rows][dim], dtype
+  const void* residual = nullptr;  // [rows][dim], dtype, or none
+  void* sum = nullptr;           // [rows][dim], dtype: x + residual (with a residual)
   int64_t rows = 0, dim = 0;
   float eps = 1e-6f;
   DType dtype = DType::kBFloat16;

@@ -574,8 +574,9 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
   return out;
 }
 
-// RMSNorm over x's last dimension; see norm.h.
-at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps, bool weight_in_float) {
+// RMSNorm over x's last dimension (with a residual: of x + residual, also returned); see norm.h.
+std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const at::Tensor& x, const at::Tensor* residual,
+                                                 const at::Tensor& weight, double eps, bool weight_in_float) {
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous CPU tensor");
   check_dense(weight, "weight", 1);
   RmsNormArgs a;
@@ -583,7 +584,16 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
   TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type() && weight.size(0) == x.size(-1), "weight must be ",
                     x.scalar_type(), " [", x.size(-1), "] like x's last dimension, got ", weight.scalar_type(), " ",
                     weight.sizes());
-  at::Tensor out = new_output(x.sizes(), x.options());
+  at::Tensor out = new_output(x.sizes(), x.options()), sum;
+  if (residual) {
+    TORCH_CHECK_VALUE(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
+                          residual->is_contiguous() && residual->device().is_cpu(),
+                      "residual must be a contiguous CPU tensor of x's shape and dtype ", x.scalar_type(), " ",
+                      x.sizes(), ", got ", residual->scalar_type(), " ", residual->sizes());
+    sum = new_output(x.sizes(), x.options());
+    a.residual = residual->data_ptr();
+    a.sum = sum.data_ptr();
+  }
   a.dim = x.size(-1);
   a.rows = a.dim ? x.numel() / a.dim : 0;
   a.eps = float(eps);
@@ -593,7 +603,17 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
   a.out = out.data_ptr();
   rms_norm(a, kernel_parallel());
   check_output_guards(out, "rms_norm");
-  return out;
+  if (residual) check_output_guards(sum, "add_rms_norm");
+  return {out, sum};
+}
+
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps, bool weight_in_float) {
+  return std::get<0>(rms_norm_impl(x, nullptr, weight, eps, weight_in_float));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_op(const at::Tensor& x, const at::Tensor& residual,
+                                                   const at::Tensor& weight, double eps, bool weight_in_float) {
+  return rms_norm_impl(x, &residual, weight, eps, weight_in_float);
 }
 
 // RoPE on q and k in place, then k and v into their cache slots; see rope.h.
@@ -663,6 +683,8 @@ TORCH_LIBRARY(cpumoe, m) {
   m.def("route(Tensor router_logits, int top_k, str scoring, bool renormalize, Tensor? bias, "
         "float routed_scaling_factor) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool weight_in_float=False) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool weight_in_float=False) "
+        "-> (Tensor, Tensor)");
   m.def("rope_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
         "Tensor(d!) v_cache, Tensor slot_mapping, Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=1e-6) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_begin, "
@@ -694,6 +716,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("route", &route_op);
   m.impl("decode_attention", &decode_attention_op);
   m.impl("rms_norm", &rms_norm_op);
+  m.impl("add_rms_norm", &add_rms_norm_op);
   m.impl("rope_and_cache", &rope_and_cache_op);
 }
 

@@ -1,15 +1,18 @@
-"""The attention layer's fused decode path, against the modules it replaces:
+"""The model's fused path, against the modules and ops it replaces:
 - packed_linear.join_linears (ops.join_packed_rows): q, k and v joined into one packed GEMM are the packing of
   their rows concatenated, byte for byte, for every native backend and dtype and every quantized format; parts
   that cannot join say why; a loaded model runs its attention on the joined GEMM where the shapes allow;
 - the per-head q/k RMSNorm inside rope_and_cache: the paged forward gives the same output and cache bytes as with
-  the norm modules."""
+  the norm modules;
+- the residual adds inside the RMSNorms after them (DecoderLayer.forward_residual): every architecture's logits,
+  bit for bit those of its layers' plain forward."""
 import logging
 
 import pytest
 import torch
 
 from cpumoe import ops
+from cpumoe.models import ARCHITECTURES
 from cpumoe.models.packed_linear import PackedLinear, QuantizedLinear, join_linears
 from cpumoe.quant import concat_rows, quantize
 from tests.kernels.moe_cases import backend_dtype_grid
@@ -122,3 +125,23 @@ def test_fused_head_norms_match_the_norm_modules(dtype, query_lens, context_lens
     modules = attention(x, context.positions, context)
     assert torch.equal(fused, modules)
     assert torch.equal(fused_caches[0][0], k_cache) and torch.equal(fused_caches[0][1], v_cache)
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_residual_adds_in_the_norms_change_no_bit(model_type, tmp_path):
+    """Every architecture built of DecoderLayers with RMSNorms runs its residual adds in the norms (the others keep
+    their own layers); either way the logits equal the plain layers' bit for bit, in bf16 where the add rounds."""
+    from cpumoe.models import load_model
+    from cpumoe.models.architecture import DecoderLayer
+    from tests.models.test_conformance import tiny_model
+    arch = ARCHITECTURES[model_type]
+    tiny_model(arch, torch.bfloat16).save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    layers = model.model.layers
+    plain_rmsnorm_decoder = all(type(layer) is DecoderLayer and type(layer.input_layernorm).__name__.endswith("RMSNorm")
+                                for layer in layers)
+    assert model.model.adds_in_norms == plain_rmsnorm_decoder, model_type
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    fused = model(ids)
+    model.model._adds_in_norms = False
+    assert torch.equal(fused, model(ids)), model_type
