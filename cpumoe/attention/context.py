@@ -56,36 +56,42 @@ class DecodeBatch:
 
     token_index [S] long or None   their tokens' rows in the step's flat tokens (None: every row, in order)
     block_table [S, n] long        block tables padded (with block 0) to the longest
-    valid [S, 1, 1, n * block_size] bool   key positions inside each sequence's context
     lens [S] long                  context lengths (the query is the last token)
     key_begin, key_end [S] long    the same keys as a range of positions over each table (what the kernel takes)
+    valid [S, 1, 1, n * block_size] bool   key positions inside [key_begin, key_end): for the torch maths (the
+                                   reference, MLA), made on first use, not at every step for the kernel
     """
     token_index: torch.Tensor | None
     block_table: torch.Tensor
-    valid: torch.Tensor
     seq_rows: list[int]
     lens: torch.Tensor
     block_size: int
     key_begin: torch.Tensor
     key_end: torch.Tensor
+    _valid: torch.Tensor | None = None
     _windows: dict = field(default_factory=dict)  # sliding window -> its DecodeBatch (see windowed)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        if self._valid is None:
+            key_pos = torch.arange(self.block_table.shape[1] * self.block_size)[None, :]  # [1, L]
+            self._valid = ((key_pos >= self.key_begin[:, None]) & (key_pos < self.key_end[:, None]))[:, None, None, :]
+        return self._valid
 
     @classmethod
     def build(cls, context: AttentionContext, rows: list[int]) -> "DecodeBatch":
-        starts = [0]
-        for q in context.query_lens:
-            starts.append(starts[-1] + q)
-        n = max(context.block_tables[i].numel() for i in rows)
-        table = torch.zeros(len(rows), n, dtype=torch.long)  # [S, n]
-        for r, i in enumerate(rows):
-            table[r, :context.block_tables[i].numel()] = context.block_tables[i]
+        # one C++ call pads the tables (a Python loop of row copies took ~30 us a decode step at one sequence)
+        table = torch.nn.utils.rnn.pad_sequence([context.block_tables[i] for i in rows], batch_first=True)  # [S, n]
         block_size = context.kv_caches[0][0].shape[1] if context.kv_caches else 1
         lens = torch.tensor([context.context_lens[i] for i in rows], dtype=torch.long)  # [S]
-        valid = torch.arange(n * block_size)[None, :] < lens[:, None]  # [S, L]
-        all_rows = len(rows) == len(context.query_lens)
-        index = None if all_rows else torch.tensor([starts[i] for i in rows], dtype=torch.long)
-        return cls(token_index=index, block_table=table, valid=valid[:, None, None, :], seq_rows=rows, lens=lens,
-                   block_size=block_size, key_begin=torch.zeros_like(lens), key_end=lens)
+        index = None
+        if len(rows) != len(context.query_lens):
+            starts = [0]
+            for q in context.query_lens:
+                starts.append(starts[-1] + q)
+            index = torch.tensor([starts[i] for i in rows], dtype=torch.long)
+        return cls(token_index=index, block_table=table, seq_rows=rows, lens=lens, block_size=block_size,
+                   key_begin=torch.zeros_like(lens), key_end=lens)
 
     def windowed(self, window: int) -> "DecodeBatch":
         """The same sequences over their last `window` keys only (sliding-window layers: the query at position
@@ -96,12 +102,9 @@ class DecodeBatch:
             first = (self.lens - window).clamp(min=0) // bs  # [S] first block needed
             n = int((-(-self.lens // bs) - first).max())  # blocks in the longest window
             cols = (first[:, None] + torch.arange(n)[None, :]).clamp(max=self.block_table.shape[1] - 1)  # [S, n]
-            key_pos = first[:, None] * bs + torch.arange(n * bs)[None, :]  # [S, n * bs]
-            valid = (key_pos < self.lens[:, None]) & (key_pos >= self.lens[:, None] - window)
             table = self.block_table.gather(1, cols)  # [S, n]
             key_end = self.lens - first * bs  # positions over the windowed table
             self._windows[window] = DecodeBatch(token_index=self.token_index, block_table=table,
-                                                valid=valid[:, None, None, :], seq_rows=self.seq_rows, lens=self.lens,
-                                                block_size=bs, key_begin=(key_end - window).clamp(min=0),
-                                                key_end=key_end)
+                                                seq_rows=self.seq_rows, lens=self.lens, block_size=bs,
+                                                key_begin=(key_end - window).clamp(min=0), key_end=key_end)
         return self._windows[window]

@@ -277,10 +277,8 @@ def chunk_decode_batch(decode: DecodeBatch, chunk: int) -> DecodeBatch:
     all (DecodeBatch.windowed), and its first (len - 1) % chunk keys belong to the previous chunk."""
     window = decode.windowed(chunk)
     seen = (window.lens - 1) % chunk + 1  # keys of the query's chunk, itself included
-    key_begin = window.key_end - seen
-    keys = torch.arange(window.block_table.shape[1] * window.block_size)[None, :]  # positions over the table
-    valid = (keys >= key_begin[:, None]) & (keys < window.key_end[:, None])
-    return replace(window, key_begin=key_begin, valid=valid[:, None, None, :], _windows={})
+    # (its mask, valid, follows from the new key_begin when read)
+    return replace(window, key_begin=window.key_end - seen, _valid=None, _windows={})
 
 
 def chunked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: AttentionContext,

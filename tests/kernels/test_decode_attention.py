@@ -29,8 +29,9 @@ def make_case(S, nh, nkv, d, dv, block_size, lens, dtype, window=None, seed=0, s
     key_begin = (lens_t - window).clamp(min=0) if window else torch.zeros_like(lens_t)
     pos = torch.arange(n * block_size)[None, :]
     valid = (pos < key_end[:, None]) & (pos >= key_begin[:, None])
-    batch = DecodeBatch(token_index=None, block_table=table, valid=valid[:, None, None, :], seq_rows=list(range(S)),
-                        lens=lens_t, block_size=block_size, key_begin=key_begin, key_end=key_end)
+    batch = DecodeBatch(token_index=None, block_table=table, seq_rows=list(range(S)), lens=lens_t,
+                        block_size=block_size, key_begin=key_begin, key_end=key_end)
+    assert torch.equal(batch.valid, valid[:, None, None, :])  # the mask the torch maths reads, made from the range
     q = torch.randn(S, nh, d, generator=g).to(dtype)
     sink = torch.randn(nh, generator=g) if sinks else None
     return q, k_cache, v_cache, batch, sink
