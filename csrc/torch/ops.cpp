@@ -686,7 +686,8 @@ TORCH_LIBRARY(cpumoe, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool weight_in_float=False) "
         "-> (Tensor, Tensor)");
   m.def("rope_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
-        "Tensor(d!) v_cache, Tensor slot_mapping, Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=1e-6) -> ()");
+        "Tensor(d!) v_cache, Tensor slot_mapping, Tensor? q_norm=None, Tensor? k_norm=None, "
+        "float norm_eps=1e-6) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_begin, "
         "Tensor key_end, float scale, Tensor? sinks, str backend=\"\") -> Tensor");
   m.def("pack_w13(Tensor w13, str backend) -> Tensor");
