@@ -113,9 +113,9 @@ def join_linears(parts: list[nn.Module]) -> PackedLinear | QuantizedLinear:
     ValueError says why parts cannot join: not all PackedLinear or all QuantizedLinear on one backend, a
     dequantized one, or a packing they do not share or whose rows do not fill its blocks."""
     first = parts[0]
-    kinds = {type(p).__name__ for p in parts}
-    if kinds - {"PackedLinear", "QuantizedLinear"} or len(kinds) > 1:
-        raise ValueError(f"only cpumoe's packed projections of one kind join, got {sorted(kinds)}")
+    kinds = {type(p) for p in parts}
+    if len(kinds) > 1 or not kinds <= {PackedLinear, QuantizedLinear}:
+        raise ValueError(f"only cpumoe's packed projections of one kind join, got {sorted(k.__name__ for k in kinds)}")
     if any(p.packed_weight is None for p in parts):
         raise ValueError("a dequantized projection (torch's GEMM) does not join")
     if any(p.backend != first.backend for p in parts):
