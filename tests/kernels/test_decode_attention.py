@@ -5,7 +5,7 @@ inside a block, one key, attention sinks; and the inputs it must refuse."""
 import pytest
 import torch
 
-from cpumoe import ops
+from cpumoe import _C, ops
 from cpumoe.attention import DecodeBatch, decode_attention_reference
 from tests.kernels.tolerances import assert_moe_close
 
@@ -45,6 +45,10 @@ CASES = [  # S, nh, nkv, d, dv, block_size, lens, window, sinks
     (2, 4, 2, 17, 33, 5, [9, 23], None, False),            # odd head sizes, V wider than K
     (4, 16, 4, 64, 64, 16, [200, 5, 130, 64], 48, True),   # a window starting inside a block, sinks (gpt-oss)
     (16, 32, 4, 128, 128, 16, [513 + 7 * i for i in range(16)], None, False),  # batch 16
+    # head sizes a multiple of 32 (x86-avx512bf16's VDPBF16PS path in bf16): g = 20 in two head groups and in value
+    # groups of 8, 8 and 4; a partial last tile of odd length; a window inside a block; sinks
+    (3, 20, 1, 96, 64, 7, [40, 13, 77], None, True),
+    (2, 6, 2, 64, 32, 16, [33, 95], 50, True),
 ]
 
 
@@ -62,6 +66,19 @@ def test_matches_reference(backend, dtype, case):
     assert_moe_close(out, ref, dtype, f"{backend} {case}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("d", [64, 80])
+def test_weights_sum_to_one(backend, d):
+    """Every value row the same: the output is that row, to the bit, whatever the scores (the denominator sums the
+    weights the values were multiplied by, bf16-rounded ones included)."""
+    q, k_cache, v_cache, batch, _ = make_case(3, 16, 2, d, d, 16, [1, 70, 300], torch.bfloat16)
+    row = torch.randn(d).to(torch.bfloat16)
+    v_cache[:] = row
+    out = ops.decode_attention(q * 8, k_cache, v_cache, batch.block_table, batch.key_begin, batch.key_end, d ** -0.5,
+                               backend=backend)
+    assert torch.equal(out, row.expand_as(out))
+
+
 def test_large_scores_stay_finite():
     """Scores of hundreds (a sharp softmax) must not overflow the running exponentials."""
     q, k_cache, v_cache, batch, _ = make_case(2, 8, 2, 64, 64, 16, [90, 33], torch.float32)
@@ -72,11 +89,12 @@ def test_large_scores_stay_finite():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_values_as_a_view_of_the_keys_leading_channels(backend):
+@pytest.mark.parametrize("width, values", [(40, 32), (96, 64)])
+def test_values_as_a_view_of_the_keys_leading_channels(backend, width, values):
     """MLA's latent cache: one (c + r)-wide row per token whose first c channels are the values, passed as the view
     k_cache[..., :c] (row stride c + r); the same result as with a contiguous copy of it."""
-    q, k_cache, _, batch, _ = make_case(3, 8, 1, 40, 8, 4, [1, 9, 23], torch.bfloat16)
-    view = k_cache[..., :32]
+    q, k_cache, _, batch, _ = make_case(3, 8, 1, width, 8, 4, [1, 9, 23], torch.bfloat16)
+    view = k_cache[..., :values]
     args = (batch.block_table, batch.key_begin, batch.key_end, 0.2)
     out = ops.decode_attention(q, k_cache, view, *args, backend=backend)
     assert torch.equal(out, ops.decode_attention(q, k_cache, view.contiguous(), *args, backend=backend))
@@ -111,7 +129,6 @@ def _args():
     (lambda a: a.update(v_cache=a["v_cache"].transpose(0, 1).contiguous().transpose(0, 1)),
      "a view of each slot's leading channels"),
     (lambda a: a.update(v_cache=a["v_cache"][..., ::2]), "a view of each slot's leading channels"),
-    (lambda a: a.update(backend="x86-avx512bf16"), "has no decode attention"),
     (lambda a: a.update(backend="x86-avx512vnni"), "cannot run here"),
 ])
 def test_bad_input_is_refused(change, message):
@@ -119,3 +136,12 @@ def test_bad_input_is_refused(change, message):
     change(a)
     with pytest.raises((ValueError, RuntimeError), match=message):
         ops.decode_attention(**a)
+
+
+NO_ATTENTION = [name for name, why, layout, *_ in _C.kernel_backends() if layout and name not in BACKENDS]
+
+
+@pytest.mark.skipif(not NO_ATTENTION, reason="every kernel backend here has decode attention")
+def test_backend_without_attention_is_refused():
+    with pytest.raises(ValueError, match="has no decode attention"):
+        ops.decode_attention(**_args(), backend=NO_ATTENTION[0])
