@@ -1,6 +1,6 @@
 // x86 AVX-512 BF16 decode attention (kernels.h DecodeAttentionArgs) over bf16 caches: both products run on
 // VDPBF16PS straight from the cache's bf16, where kernels_fma.inc widens every K and V row to float32 first
-// (~2x the instructions, 31 GFLOP/s a Zen 4 thread at qwen3-30b-a3b's heads).
+// (~2x the instructions; 27 GFLOP/s a Zen 4 thread at qwen3-30b-a3b's heads against 61-64 here).
 // - Scores: a tile of 32 keys is transposed as 32-bit (k[2i], k[2i+1]) pairs into keysT [d/2][32], so each pair of
 //   q[h] is one broadcast against 32 keys: q . k summed in float32 from exact bf16 products, then scaled.
 // - Values: the tile's softmax weights rounded to bf16 (the denominator sums the rounded weights, so those used
