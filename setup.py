@@ -11,16 +11,19 @@ import platform
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-AVX512_BF16 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"]
+# A literal, flags repeated: tests/kernels/arm/test_arm_qemu.py reads it with ast.literal_eval for its cross build.
 ISA_FLAGS = {
     "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     "kernels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
-    "kernels_avx512bf16.cpp": AVX512_BF16,
-    "attention_avx512bf16.cpp": AVX512_BF16,
+    "kernels_avx512bf16.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                               "-mfma", "-mf16c"],
+    "attention_avx512bf16.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                                 "-mfma", "-mf16c"],
     # -ffp-contract=off: the A8 tiles repeat quant_generic's float operations exactly (see their headers)
     "quant_avx512vnni.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c",
                              "-ffp-contract=off"],
-    "quant_avx512bf16.cpp": AVX512_BF16,
+    "quant_avx512bf16.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                             "-mfma", "-mf16c"],
     "quant_avx2.cpp": ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
     "kernels_neon.cpp": [],
     "quant_dotprod.cpp": ["-march=armv8.2-a+dotprod"],

@@ -126,9 +126,8 @@ def _cmd_info(args) -> int:
     attention = ops.attention_backends()
     console.print(f"[bold]decode attention[/] runs on [bold]{attention[0]}[/] (the first backend with an attention "
                   f"kernel; candidates here: {', '.join(attention)})")
-    if attention[0] == "x86-avx512bf16":
-        console.print("  x86-avx512bf16 takes bf16 caches with head sizes a multiple of 32; other dtypes and head "
-                      "sizes run x86-avx512's float32 FMA kernel")
+    if scope := ops.attention_scope(attention[0]):
+        console.print(f"  {attention[0]} {scope}")
 
     preset, dtype = args.preset, args.dtype
     config = experts_config(preset, dtype)

@@ -150,6 +150,11 @@ def attention_backends() -> list[str]:
     return list(_C.attention_backends())
 
 
+def attention_scope(backend: str) -> str:
+    """The calls `backend`'s decode attention hands to another backend's kernel, in words ('' when none)."""
+    return _C.attention_scope(backend)
+
+
 def release_free_memory() -> bool:
     """Return the C allocator's free memory to the OS (glibc malloc_trim); loaders call it between phases."""
     return _C.release_free_memory()

@@ -22,6 +22,7 @@ def test_info_names_choice_and_every_backend(capsys):
         assert p.name in out
     from cpumoe import ops
     assert f"decode attention runs on {ops.attention_backends()[0]}" in out
+    assert ops.attention_scope(ops.attention_backends()[0]) in " ".join(out.split())  # what it hands on, if anything
 
 
 def test_info_fp16_rejects_bf16_only_backends(capsys):

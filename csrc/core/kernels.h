@@ -52,6 +52,8 @@ struct KernelTable {
   void (*w2_tile)(const GemmTile&);
   // out rows of sequence `seq`, heads kv_head * g .. + g - 1; nullptr when the unit has no attention kernel.
   AttentionFn attention = nullptr;
+  // The calls the attention kernel hands to another unit's, in words (nullptr: none, it takes them all).
+  const char* attention_scope = nullptr;
   bool supports(DType d) const { return (dtype_mask >> int(d)) & 1u; }
 };
 

@@ -776,6 +776,11 @@ PYBIND11_MODULE(_C, m) {
       if (info.table && info.table->attention) names.push_back(info.name);
     return names;
   }, "The available kernel backends with decode attention, fastest first");
+  m.def("attention_scope", [](const std::string& backend) {
+    const cpumoe::KernelTable& kt = cpumoe::kernel_or_throw(backend);
+    return std::string(kt.attention_scope ? kt.attention_scope : "");
+  }, "The calls a backend's decode attention hands to another backend's kernel, in words ('' when none)",
+        pybind11::arg("backend"));
   m.def("set_output_guards", [](bool on) { cpumoe::output_guards() = on; },
         "Test aid: outputs get guard bytes around them, checked by every op before it returns");
   m.def("check_output_guards", [](const at::Tensor& out) { cpumoe::check_output_guards(out, "a write"); },

@@ -197,6 +197,10 @@ void attention_rows(const DecodeAttentionArgs& a, int64_t s, int64_t kv_head) {
 
 }  // namespace
 
+const char* const kAvx512Bf16AttentionScope =
+    "takes bf16 caches with head sizes a multiple of 32; other dtypes and head sizes run x86-avx512's float32 FMA "
+    "kernel";
+
 void avx512bf16_decode_attention(const DecodeAttentionArgs& a, int64_t s, int64_t kv_head) {
   if (a.dtype == DType::kBFloat16 && a.d % 32 == 0 && a.dv % 32 == 0)
     attention_rows(a, s, kv_head);

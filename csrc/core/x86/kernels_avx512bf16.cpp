@@ -78,7 +78,8 @@ void avx512bf16_w2_tile(const GemmTile& t) { run_row_tiles(t, kW2, kMaxRows, 4);
 const KernelTable& kernels_x86_avx512bf16() {
   static const KernelTable table{"x86-avx512bf16", Layout::kPairs, kMaxRows,
                                  1u << int(DType::kBFloat16), avx512bf16_w13_tile,
-                                 avx512bf16_w2_tile, avx512bf16_decode_attention};
+                                 avx512bf16_w2_tile, avx512bf16_decode_attention,
+                                 kAvx512Bf16AttentionScope};
   return table;
 }
 

@@ -11,5 +11,6 @@ void avx512bf16_w2_tile(const GemmTile& t);   // float32 out
 // Decode attention (attention_avx512bf16.cpp): VDPBF16PS over bf16 caches with head sizes a multiple of 32; other
 // dtypes and sizes run the x86-avx512 FMA kernel.
 void avx512bf16_decode_attention(const DecodeAttentionArgs& a, int64_t seq, int64_t kv_head);
+extern const char* const kAvx512Bf16AttentionScope;  // what it hands to the FMA kernel, in words
 
 }  // namespace cpumoe
