@@ -51,9 +51,10 @@ def cpu_model(cpuinfo: str | None = None) -> str:
     name = next((fields[k] for k in ("model name", "Model", "cpu model") if k in fields), None)
     if name is None:
         return platform.processor() or platform.machine()
-    if "cpu family" not in fields or "model" not in fields:
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):  # not x86 (where "model" may be a name, or absent)
         return name
-    family, model = int(fields["cpu family"]), int(fields["model"])
     core = amd_core(family, model) if fields.get("vendor_id") == "AuthenticAMD" else None
     return f"{name} (family {family}, model {model}{', ' + core if core else ''})"
 

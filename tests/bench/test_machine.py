@@ -32,3 +32,8 @@ def test_arm_keeps_its_name():
 def test_unknown_amd_family_has_no_core_name():
     assert amd_core(0x15, 2) is None
     assert amd_core(0x1A, 0x44) == "Zen 5"
+
+
+def test_a_model_field_that_is_a_name_is_left_alone():
+    text = "processor\t: 0\ncpu family\t: POWER\nmodel\t\t: IBM,9080-HEX\ncpu model\t: POWER10\n"
+    assert cpu_model(text) == "POWER10"
