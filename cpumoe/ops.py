@@ -170,6 +170,9 @@ def measure_read_bandwidth(nbytes: int = 1 << 30, repetitions: int = 5) -> tuple
 
 
 ReadBandwidthProbe = _C.ReadBandwidthProbe
+# A decoder layer's decode step in one call over ops above (csrc/torch/decode_layer.inc; cpumoe/models/decode_layer.py)
+DecodeLayer = _C.DecodeLayer
+LayerLinear = _C.LayerLinear
 
 
 def _no_meta_weights(data: torch.Tensor, **weights: torch.Tensor | None) -> None:

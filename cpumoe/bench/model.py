@@ -188,18 +188,27 @@ class ExpertCounter:
         self.layers = [m.experts for m in model.modules() if isinstance(m, MoEBlock) and m.experts is not None]
         self.counting, self.chosen, self.calls = False, 0, 0
         self._hooks = []
+        # decode steps through fused layers (models/decode_layer.py) call no FusedMoE: they report their routing
+        self._decoder = getattr(model, "model", None)
 
     def __enter__(self) -> "ExpertCounter":
         self._hooks = [layer.register_forward_hook(self._count) for layer in self.layers]
+        if hasattr(self._decoder, "decode_routing_hooks"):
+            self._decoder.decode_routing_hooks.append(self._count_ids)
         return self
 
     def __exit__(self, *exc) -> None:
         for hook in self._hooks:
             hook.remove()
+        if hasattr(self._decoder, "decode_routing_hooks"):
+            self._decoder.decode_routing_hooks.remove(self._count_ids)
 
     def _count(self, layer, args, output) -> None:
         if self.counting and len(args) == 2:  # (hidden_states, router_logits)
-            _, topk_ids = select_experts(args[1], layer.top_k, **layer.routing)
+            self._count_ids(select_experts(args[1], layer.top_k, **layer.routing)[1])
+
+    def _count_ids(self, topk_ids: torch.Tensor) -> None:
+        if self.counting:
             self.chosen += topk_ids.unique().numel()
             self.calls += 1
 

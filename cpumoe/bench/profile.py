@@ -4,6 +4,8 @@ interval charged to the innermost bracket open at the time (exclusive time), so 
     experts      cpumoe.FusedMoE (routing included)
     dense GEMMs  nn.Linear, PackedLinear, QuantizedLinear (attention projections, routers, shared experts, lm_head)
     attention    the attention maths over the paged cache (paged_attention and what it calls)
+A decode step whose layers run fused (models/decode_layer.py: one C++ call a layer) has no modules to hook there:
+those layers time their own GEMMs, attention and experts, and the profile moves that time out of glue.
     glue         the rest of the model's forward: norms, residual adds, RoPE, the KV-cache write, reshapes, routing
                  glue, allocations, and the Python between them
     engine       the step outside the model: scheduling, building the batch, sampling, detokenization
@@ -93,6 +95,9 @@ def bracketed(model: nn.Module, clock: StepClock) -> Iterator[None]:
         fn = getattr(owner, name)
         originals.append((owner, name, fn))
         setattr(owner, name, _timed(fn, clock))
+    fused = fused_layers(model)
+    for plan in fused:
+        plan.set_timing(True)
     try:
         yield
     finally:
@@ -100,6 +105,25 @@ def bracketed(model: nn.Module, clock: StepClock) -> Iterator[None]:
             handle.remove()
         for owner, name, fn in originals:
             setattr(owner, name, fn)
+        for plan in fused:
+            plan.set_timing(False)
+
+
+def fused_layers(model: nn.Module) -> list:
+    """The model's fused decode layers (models/decode_layer.py), if its decode steps run them."""
+    decoder = getattr(model, "model", None)
+    return list(getattr(decoder, "decode_layers", None) or [])
+
+
+def charge_fused_layers(model: nn.Module, clock: StepClock) -> None:
+    """A fused layer is one call inside the model's forward, so the clock charged all of it to glue: move the
+    parts its own clock gave to the GEMMs, attention and the experts (see decode_layer.inc), and restart that."""
+    for plan in fused_layers(model):
+        glue, dense, attention, experts = plan.times()
+        for group, seconds in (("dense GEMMs", dense), ("attention", attention), ("experts", experts)):
+            clock.seconds[group] += seconds
+            clock.seconds["glue"] -= seconds
+        plan.set_timing(True)
 
 
 def _timed(fn: Callable, clock: StepClock) -> Callable:
@@ -148,6 +172,7 @@ def profile_decode(engine, batch: int, input_len: int, steps: int = 16, seed: in
             engine.step()
             profiled.append(time.perf_counter() - t0)
             clock.stop()
+            charge_fused_layers(engine.model, clock)
         for group in GROUPS:
             per_group[group].append(clock.seconds[group])
     while engine.has_unfinished():

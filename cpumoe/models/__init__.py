@@ -108,6 +108,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, dtype: torch.dtype, quantize
             custom = arch.experts_from_checkpoint(config, ckpt, prefix, block, dtype)
             _load_block_experts(block, prefix, ckpt, specs, quantized, dtype, custom)
             ops.release_free_memory()  # the layer's transient buffers, before the next layer's stacks settle
+    _fuse_decode_layers(model)
 
 
 def _join_projections(model: CausalLM) -> None:
@@ -119,6 +120,14 @@ def _join_projections(model: CausalLM) -> None:
         logger.info("q/k/v projections run as one GEMM in %d of %d attention layers%s",
                     len(attentions) - len(why_not), len(attentions),
                     f" (the others run three: {why_not[0]})" if why_not else "")
+
+
+def _fuse_decode_layers(model: CausalLM) -> None:
+    """Decode steps as one C++ call a layer (DecoderModel.fuse_decode_layers), or the log says why not."""
+    decoder = getattr(model, "model", None)
+    if hasattr(decoder, "fuse_decode_layers"):
+        why = decoder.fuse_decode_layers()
+        logger.info("decode steps run %s", "each layer as one C++ call" if why is None else f"the modules ({why})")
 
 
 def _load_block_experts(block: MoEBlock, prefix: str, ckpt: Checkpoint, specs: dict,

@@ -9,6 +9,7 @@ rows in `logits_indices` (one per sampling sequence).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,11 +30,31 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self._adds_in_norms: bool | None = None  # decided on the first forward (see adds_in_norms)
+        self.decode_layers: list | None = None  # ops.DecodeLayer per layer, once fused (fuse_decode_layers)
+        # called with each fused layer's chosen experts, int32 [T, k]: what hooks on FusedMoE see in the modules
+        self.decode_routing_hooks: list[Callable[[torch.Tensor], None]] = []
+
+    def fuse_decode_layers(self) -> str | None:
+        """Decode steps run each layer as one C++ call (models/decode_layer.py) when every layer can; returns None
+        when they do, else why a layer cannot (the steps run the modules)."""
+        from cpumoe.models.decode_layer import fused_decode_layer
+        plans = []
+        for i, layer in enumerate(self.layers):
+            plan, why = fused_decode_layer(layer)
+            if plan is None:
+                self.decode_layers = None
+                return f"layer {i}: {why}"
+            plans.append(plan)
+        self.decode_layers = plans if isinstance(self.norm, RMSNorm) and plans else None
+        return None if self.decode_layers is not None else "the final norm is not an RMSNorm"
 
     def forward(self, input_ids: torch.Tensor, context: AttentionContext | None = None) -> torch.Tensor:
         # no context: [B, T] -> [B, T, H]; with context: flat [T] -> [T, H]
         positions = torch.arange(input_ids.shape[-1]) if context is None else context.positions  # [T]
         x = self.embed_tokens(input_ids)  # [B, T, H] or [T, H]
+        decode = None if context is None or self.decode_layers is None else context.decode_batch()
+        if decode is not None and decode.token_index is None:  # every sequence decodes: the fused layers
+            return self._decode_step(x, positions, context, decode)
         if self.adds_in_norms:  # each residual add in the norm after it (DecoderLayer.forward_residual)
             residual = None
             for layer in self.layers:
@@ -42,6 +63,18 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             x = layer(x, positions, context)
         return self.norm(x)
+
+    def _decode_step(self, x: torch.Tensor, positions: torch.Tensor, context: AttentionContext,
+                     decode) -> torch.Tensor:
+        residual = None
+        for layer, plan in zip(self.layers, self.decode_layers):
+            cos, sin = layer.self_attn.rotary.for_step(positions, x.dtype, context)
+            k_cache, v_cache = context.kv_caches[layer.layer_idx]
+            x, residual = plan.forward(x, residual, cos, sin, context.slot_mapping, k_cache, v_cache,
+                                       decode.block_table, decode.key_begin, decode.key_end)
+            for hook in self.decode_routing_hooks:
+                hook(plan.routed_ids())
+        return self.norm.add_and_norm(x, residual)[0]
 
     @property
     def adds_in_norms(self) -> bool:
@@ -100,5 +133,6 @@ class CausalLM(nn.Module):
                              "torch's GEMM (backend 'naive', or a dtype or format no native backend takes)")
         for module in [m for m in self.modules() if m is not self and hasattr(m, "make_batch_invariant")]:
             module.make_batch_invariant()
+        self.model.decode_layers = None  # their attention is the decode kernel over whole tables, not row_attention
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.model.embed_tokens.weight)

@@ -5,7 +5,10 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -677,6 +680,8 @@ void rope_and_cache_op(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   rope_and_cache(a, kernel_parallel());
 }
 
+#include "decode_layer.inc"
+
 }  // namespace
 
 TORCH_LIBRARY(cpumoe, m) {
@@ -787,6 +792,7 @@ PYBIND11_MODULE(_C, m) {
         "Raises when a guard byte around an output (made with guards on) changed");
   m.def("release_free_memory", &cpumoe::release_free_memory,
         "Return the allocator's free memory to the OS (malloc_trim); false if nothing was released");
+  cpumoe::bind_decode_layer(m);
   m.def("measure_read_bandwidth", [](int64_t bytes, int repetitions) {
     auto r = cpumoe::measure_read_bandwidth(bytes, repetitions, cpumoe::probe_parallel());
     return std::make_tuple(r.best_gbps, r.median_gbps);

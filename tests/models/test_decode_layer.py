@@ -1,0 +1,144 @@
+"""Decode steps with each layer as one C++call (models/decode_layer.py, ops.DecodeLayer), against the modules they
+stand for: the engine's logits are the same bit for bit, step after step, for every architecture whose layers fuse
+(bf16, float32, and int8 / int4 quantized checkpoints); the others say why they run the modules; batch-invariant
+engines and prefill steps keep the modules; the profile still charges the fused layers' GEMMs, attention and experts
+to their groups."""
+import logging
+
+import pytest
+import torch
+
+from cpumoe.engine import EngineConfig, LLMEngine, SamplingParams
+from cpumoe.models import ARCHITECTURES
+from cpumoe.models.decode_layer import fused_decode_layer
+from tests.models.test_conformance import tiny_model
+
+# the architectures whose every layer is the plain pre-norm attention + routed-experts layer (no shared expert,
+# no grouped routing, no sinks or window, per-head or no q/k norm)
+FUSED = {"mixtral", "qwen3_moe"}
+# k and v of 2 x 32 rows fill whole packed blocks, so q/k/v join (the tiny presets' 2 x 16 do not, and then the
+# layers say so and run the modules)
+JOINABLE = dict(head_dim=32, num_key_value_heads=2)
+PROMPTS = [[5, 9, 2, 33, 7], [1, 4, 4, 8, 100, 3, 6, 2, 9], [77, 12]]
+
+
+def engine_for(path, dtype=torch.bfloat16, **config) -> LLMEngine:
+    return LLMEngine(path, dtype=dtype, skip_tokenizer=True,
+                     config=EngineConfig(num_blocks=64, enable_prefix_caching=False, **config))
+
+
+def step_logits(engine: LLMEngine, fused: bool, max_tokens: int = 6) -> list[tuple[bool, torch.Tensor]]:
+    """(whether the step ran the fused layers, its logits) for every model call of a greedy generate."""
+    decoder = engine.model.model
+    plans = decoder.decode_layers
+    decoder.decode_layers = plans if fused else None
+    calls = []
+    forward, step = engine.model.forward, decoder._decode_step
+
+    def recording_step(*args, **kwargs):
+        calls[-1][0] = True
+        return step(*args, **kwargs)
+
+    def recording(*args, **kwargs):
+        calls.append([False, None])
+        calls[-1][1] = forward(*args, **kwargs)
+        return calls[-1][1]
+
+    engine.model.forward, decoder._decode_step = recording, recording_step
+    try:
+        engine.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    finally:
+        del engine.model.forward, decoder._decode_step
+        decoder.decode_layers = plans
+    return [(ran, logits) for ran, logits in calls]
+
+
+def assert_same_steps(engine: LLMEngine) -> None:
+    fused, modules = step_logits(engine, True), step_logits(engine, False)
+    assert len(fused) == len(modules)
+    assert any(ran for ran, _ in fused), "no step ran the fused layers"
+    assert not any(ran for ran, _ in modules)
+    for i, ((_, a), (_, b)) in enumerate(zip(fused, modules)):
+        assert torch.equal(a, b), f"step {i}"
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_fused_layers_change_no_bit(model_type, tmp_path, caplog):
+    arch = ARCHITECTURES[model_type]
+    tiny_model(arch, torch.bfloat16, **(JOINABLE if model_type in FUSED else {})).save_pretrained(tmp_path)
+    with caplog.at_level(logging.INFO, logger="cpumoe"):
+        engine = engine_for(tmp_path)
+    plans = engine.model.model.decode_layers
+    assert (plans is not None) == (model_type in FUSED), model_type
+    if plans is None:  # the log says which layer and why
+        assert "decode steps run the modules (layer " in caplog.text
+        return
+    assert "decode steps run each layer as one C++ call" in caplog.text
+    assert_same_steps(engine)
+
+
+def test_fused_layers_in_float32(tmp_path):
+    tiny_model(ARCHITECTURES["qwen3_moe"], torch.float32, **JOINABLE).save_pretrained(tmp_path)
+    assert_same_steps(engine_for(tmp_path, torch.float32))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_fused_layers_of_a_quantized_checkpoint(fmt, tmp_path):
+    """Quantized projections and experts (cpumoe quantize's layouts) run in the fused layers as in the modules."""
+    from cpumoe.loader.quantized.convert import quantize_checkpoint
+    tiny_model(ARCHITECTURES["qwen3_moe"], torch.bfloat16, **JOINABLE).save_pretrained(tmp_path / "bf16")
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / fmt, fmt, group_size=32 if fmt == "int4" else None)
+    engine = engine_for(tmp_path / fmt)
+    assert engine.model.model.decode_layers is not None
+    assert_same_steps(engine)
+
+
+def test_batch_invariant_engines_run_the_modules(tmp_path):
+    """Their attention is row_attention over each token's own keys, which the fused layer does not run."""
+    tiny_model(ARCHITECTURES["qwen3_moe"], torch.bfloat16, **JOINABLE).save_pretrained(tmp_path)
+    assert engine_for(tmp_path, batch_invariant=True).model.model.decode_layers is None
+
+
+def test_a_layer_that_cannot_fuse_says_why(tmp_path):
+    tiny_model(ARCHITECTURES["qwen2_moe"], torch.bfloat16, **JOINABLE).save_pretrained(tmp_path)
+    engine = engine_for(tmp_path)
+    plan, why = fused_decode_layer(engine.model.model.layers[0])
+    assert plan is None and "shared expert" in why
+    assert engine.model.model.fuse_decode_layers() == f"layer 0: {why}"
+
+
+def test_the_profile_charges_fused_layers_to_their_groups(tmp_path):
+    from cpumoe.bench.profile import profile_decode
+    tiny_model(ARCHITECTURES["qwen3_moe"], torch.bfloat16, **JOINABLE).save_pretrained(tmp_path)
+    engine = engine_for(tmp_path)
+    assert engine.model.model.decode_layers is not None
+    profile = profile_decode(engine, batch=2, input_len=8, steps=3)
+    for group in ("experts", "dense GEMMs", "attention"):
+        assert profile.groups_ms[group] > 0, group
+    assert profile.groups_ms["glue"] >= 0
+    assert abs(sum(profile.groups_ms.values()) - profile.step_ms) < 0.5 * profile.step_ms
+
+
+def test_expert_counts_see_the_fused_layers_routing(tmp_path):
+    """bench model's ExpertCounter counts the distinct experts of decode steps whether the layers run fused (their
+    routed_ids) or as modules (hooks on FusedMoE): the same counts, step by step."""
+    from cpumoe.bench.model import ExpertCounter
+    tiny_model(ARCHITECTURES["qwen3_moe"], torch.bfloat16, **JOINABLE).save_pretrained(tmp_path)
+    engine = engine_for(tmp_path)
+    decoder = engine.model.model
+    plans = decoder.decode_layers
+    counts = {}
+    for fused in (True, False):
+        decoder.decode_layers = plans if fused else None
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"{fused}-{i}", prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        per_step = []
+        with ExpertCounter(engine.model) as counter:
+            while engine.has_unfinished():
+                counter.counting = True
+                engine.step()
+                per_step.append(counter.take())
+        counts[fused] = per_step
+        assert decoder.decode_routing_hooks == []
+    decoder.decode_layers = plans
+    assert counts[True] == counts[False] and any(c is not None for c in counts[True])
