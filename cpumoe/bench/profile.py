@@ -4,11 +4,11 @@ interval charged to the innermost bracket open at the time (exclusive time), so 
     experts      cpumoe.FusedMoE (routing included)
     dense GEMMs  nn.Linear, PackedLinear, QuantizedLinear (attention projections, routers, shared experts, lm_head)
     attention    the attention maths over the paged cache (paged_attention and what it calls)
-A decode step whose layers run fused (models/decode_layer.py: one C++ call a layer) has no modules to hook there:
-those layers time their own GEMMs, attention and experts, and the profile moves that time out of glue.
     glue         the rest of the model's forward: norms, residual adds, RoPE, the KV-cache write, reshapes, routing
                  glue, allocations, and the Python between them
     engine       the step outside the model: scheduling, building the batch, sampling, detokenization
+A decode step whose layers run fused (models/decode_layer.py: one C++ call a layer) has no modules to hook there:
+those layers time their own GEMMs, attention and experts, and the profile moves that time out of glue.
 
 Hooks cost a few microseconds per module call; the report gives the profiled step beside an unprofiled one so
 that cost shows. The attention functions are wrapped by name in the modules that call them, for the duration of a

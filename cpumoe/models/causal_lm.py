@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from cpumoe.attention import AttentionContext, KVCacheLayout
+from cpumoe.attention import AttentionContext, DecodeBatch, KVCacheLayout
 from cpumoe.models.architecture import Architecture, DecoderLayer
 from cpumoe.models.blocks import RMSNorm
+from cpumoe.models.decode_layer import fused_decode_layer
 from cpumoe.models.packed_linear import PackedLinear, QuantizedLinear
 
 
@@ -37,7 +38,6 @@ class DecoderModel(nn.Module):
     def fuse_decode_layers(self) -> str | None:
         """Decode steps run each layer as one C++ call (models/decode_layer.py) when every layer can; returns None
         when they do, else why a layer cannot (the steps run the modules)."""
-        from cpumoe.models.decode_layer import fused_decode_layer
         plans = []
         for i, layer in enumerate(self.layers):
             plan, why = fused_decode_layer(layer)
@@ -65,7 +65,7 @@ class DecoderModel(nn.Module):
         return self.norm(x)
 
     def _decode_step(self, x: torch.Tensor, positions: torch.Tensor, context: AttentionContext,
-                     decode) -> torch.Tensor:
+                     decode: DecodeBatch) -> torch.Tensor:  # x [S, H], one token per sequence -> [S, H]
         residual = None
         for layer, plan in zip(self.layers, self.decode_layers):
             cos, sin = layer.self_attn.rotary.for_step(positions, x.dtype, context)
