@@ -34,9 +34,9 @@ def fused_decode_layer(layer: nn.Module) -> tuple[object | None, str | None]:
     dtype = mlp.experts.config.dtype  # the activations'
     if any(n.weight.dtype != dtype for n in norms):  # the modules then run torch's maths (RMSNorm._runs_op)
         return None, f"its norm weights are not in the activations' {dtype}"
-    if attn.qk_norm == QKNorm.HEAD and attn._fused_head_norms(dtype) is None:
-        return None, "its q/k norms round differently from ops.rope_and_cache's"
     head_norms = attn._fused_head_norms(dtype) if attn.qk_norm == QKNorm.HEAD else (None, None)
+    if head_norms is None:
+        return None, "its q/k norms round differently from ops.rope_and_cache's"
     experts = mlp.experts
     quantized = experts.config.quantization != "none"
     plan = ops.DecodeLayer(
