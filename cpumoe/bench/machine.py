@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from cpumoe import ops
+from cpumoe.torch_gemm import gemm_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,9 @@ def measure_mm_peak(dtype: torch.dtype = torch.bfloat16, size: int = 4096, repet
 
 
 def measure_machine(dtype: torch.dtype = torch.bfloat16, quick: bool = False) -> MachineInfo:
+    """The GEMM rate is torch.mm's in dtype, or in float32 where torch has no vector GEMM for dtype on this CPU
+    (cpumoe.torch_gemm): the FMA rate the kernels' own float32 accumulation runs at there."""
+    dtype = gemm_dtype(dtype)
     mm_size = 2048 if quick else 4096
     return MachineInfo(
         cpu=cpu_model(), features=ops.cpu_features(), threads=torch.get_num_threads(),

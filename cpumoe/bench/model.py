@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cpumoe import ops
+from cpumoe.torch_gemm import gemm_dtype
 from cpumoe.bench.machine import cpu_model
 from cpumoe.engine import LLMEngine
 from cpumoe.engine.api import SamplingParams
@@ -161,7 +162,8 @@ def weights_format(engine: LLMEngine) -> str:
 @dataclass(frozen=True, slots=True)
 class MachineLimits:
     """This machine's read bandwidth (a streaming-read probe of probe_bytes) and GEMM rate (torch.mm of
-    mm_size^3 in dtype), measured right before each case. Their buffers live only while measuring, so the
+    mm_size^3 in dtype, or in float32 where torch has no vector GEMM for dtype: cpumoe.torch_gemm), measured
+    right before each case. Their buffers live only while measuring, so the
     case's peak RSS is the engine's own."""
     probe_bytes: int
     mm_size: int
@@ -172,8 +174,8 @@ class MachineLimits:
         probe = ops.ReadBandwidthProbe(self.probe_bytes)
         bandwidth = statistics.median(probe.read_gbps() for _ in range(3))
         del probe
-        a = torch.randn(self.mm_size, self.mm_size).to(self.dtype)
-        b = torch.randn(self.mm_size, self.mm_size).to(self.dtype)
+        a = torch.randn(self.mm_size, self.mm_size).to(gemm_dtype(self.dtype))
+        b = torch.randn(self.mm_size, self.mm_size).to(gemm_dtype(self.dtype))
         torch.mm(a, b)
         t = time.perf_counter()
         torch.mm(a, b)

@@ -5,8 +5,8 @@ the last resort of the oracle. Quantized layers run here on weights dequantized 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from cpumoe import torch_gemm
 from cpumoe.experts.base import ExpertsBackend, ExpertsConfig, PreparedExperts, check_common
 from cpumoe.quant import QuantizedWeight, dequantize
 from cpumoe.reference import activate
@@ -36,10 +36,10 @@ class NaiveExperts(ExpertsBackend):
             if e < 0:
                 continue
             tokens, slots = torch.nonzero(local_ids == e, as_tuple=True)
-            h = F.linear(x[tokens], prepared.w13[e],
+            h = torch_gemm.linear(x[tokens], prepared.w13[e],
                          prepared.w13_bias[e] if prepared.w13_bias is not None else None)  # [T, 2I]
             a = activate(h[:, :inter].float(), h[:, inter:].float(), config.activation).to(x.dtype)
-            y = F.linear(a, prepared.w2[e], prepared.w2_bias[e] if prepared.w2_bias is not None else None)
+            y = torch_gemm.linear(a, prepared.w2[e], prepared.w2_bias[e] if prepared.w2_bias is not None else None)
             if not config.apply_router_weight_on_input:
                 y = y.float() * topk_weights[tokens, slots, None]
             out.index_add_(0, tokens, y.float())

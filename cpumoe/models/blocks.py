@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from cpumoe import ops
+from cpumoe import ops, torch_gemm
 from cpumoe.attention import AttentionContext, causal_attention, paged_attention, row_attention
 from cpumoe.layer import FusedMoE
 from cpumoe.models.packed_linear import join_linears
@@ -219,7 +219,7 @@ class Attention(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)  # [T, d]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.sinks is None and self.sliding_window is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, nh, T, d]
+            out = torch_gemm.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, nh, T, d]
         else:
             out = torch.stack([causal_attention(q[b], k[b], v[b], sliding_window=self.sliding_window, sinks=self.sinks)
                                for b in range(B)])  # [B, nh, T, d]

@@ -27,9 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from cpumoe import torch_gemm
 from cpumoe.attention import AttentionContext, paged_attention, row_attention
 from cpumoe.loader import CheckpointConfig, CheckpointError
 from cpumoe.models.architecture import Architecture, DecoderLayer, ModelPreset
@@ -154,7 +154,7 @@ class PartialRotaryAttention(Attention):
         q, k, v = (t.transpose(1, 2) for t in self._qkv(x))  # [B, heads, T, d]
         cos, sin = self.rotary(positions, x.dtype)  # [T, r]
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, nh, T, d]
+        out = torch_gemm.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, nh, T, d]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))  # [B, T, H]
 
     def _forward_paged(self, x: torch.Tensor, positions: torch.Tensor, context: AttentionContext,

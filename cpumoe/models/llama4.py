@@ -27,10 +27,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from cpumoe import ops
+from cpumoe import ops, torch_gemm
 from cpumoe.attention import (AttentionContext, DecodeBatch, causal_attention, decode_attention, paged_attention,
                               row_attention)
 from cpumoe.layer import FusedMoE
@@ -244,7 +243,7 @@ class Llama4Attention(nn.Module):
         q, k, v = self._qkv(x, positions, self._rotary(positions, None))  # [B, T, heads, d]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, d]
         step = self.chunk or T
-        out = torch.cat([F.scaled_dot_product_attention(q[:, :, s:s + step], k[:, :, s:s + step],
+        out = torch.cat([torch_gemm.scaled_dot_product_attention(q[:, :, s:s + step], k[:, :, s:s + step],
                                                         v[:, :, s:s + step], is_causal=True, enable_gqa=True)
                          for s in range(0, T, step)], dim=2)  # [B, nh, T, d]: each chunk on its own
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))  # [B, T, H]

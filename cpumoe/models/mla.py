@@ -30,9 +30,9 @@ dqk = nope + r, dv v_head_dim, L cached tokens.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from cpumoe import torch_gemm
 from cpumoe.attention import KVCacheLayout
 from cpumoe.attention import AttentionContext, DecodeBatch, row_attention
 from cpumoe.models.blocks import RMSNorm
@@ -109,7 +109,7 @@ class LatentUpProjection(nn.Module):
         return torch.stack([head(o_lat[:, h]) for h, head in enumerate(self.value_heads)], dim=1)
 
     def forward(self, latent: torch.Tensor) -> torch.Tensor:
-        return F.linear(latent, self.weight)
+        return torch_gemm.linear(latent, self.weight)
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [nh, nope, c] and W_UV [nh, dv, c], views of the weight."""
@@ -186,7 +186,7 @@ class MLAttention(nn.Module):
         k, v = self._expand(latent, k_pe)  # [B, T, nh, dqk], [B, T, nh, dv]
         q = torch.cat((q_nope, q_pe), dim=-1)  # [B, T, nh, dqk]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, nh, T, d*]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)  # [B, nh, T, dv]
+        out = torch_gemm.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)  # [B, nh, T, dv]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.v_head_dim))  # [B, T, H]
 
     def _forward_paged(self, x: torch.Tensor, positions: torch.Tensor, context: AttentionContext,
@@ -214,7 +214,8 @@ class MLAttention(nn.Module):
                 qi, k, v = (t.transpose(0, 1)[None] for t in (q[start:start + q_len], k, v))  # [1, nh, len, d*]
                 # query j sees keys up to ctx_len - q_len + j (bottom-right causal; plain causal for a whole prompt)
                 mask = None if q_len == ctx_len else torch.ones(q_len, ctx_len, dtype=torch.bool).tril(ctx_len - q_len)
-                o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling)
+                o = torch_gemm.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None,
+                                                            scale=self.scaling)
                 out[start:start + q_len] = o[0].transpose(0, 1)  # [q_len, nh, dv]
             start += q_len
         return self.o_proj(out.reshape(T, nh * self.v_head_dim))  # [T, H]
@@ -235,13 +236,13 @@ class MLAttention(nn.Module):
         kv_b_proj does in the expanded form); scores, softmax and the weighted sum of latents in float32."""
         S, c = q_nope.shape[0], self.kv_lora_rank
         w_uk, w_uv = self.kv_b_proj.absorbed()  # [nh, nope, c], [nh, dv, c]
-        q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [S, nh, c]
+        q_lat = torch_gemm.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [S, nh, c]
         q = torch.cat((q_lat, q_pe), dim=-1).float() * self.scaling  # [S, nh, c + r]
         kv = cache[batch.block_table].view(S, -1, c + self.rope).float()  # [S, L, c + r]
         scores = torch.matmul(q, kv.transpose(1, 2))  # [S, nh, L]
         scores.masked_fill_(~batch.valid.view(S, 1, -1), float("-inf"))
         o_lat = torch.matmul(scores.softmax(dim=-1), kv[..., :c]).to(q_nope.dtype)  # [S, nh, c]
-        return torch.matmul(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [S, nh, dv]
+        return torch_gemm.matmul(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [S, nh, dv]
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "
