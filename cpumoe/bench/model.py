@@ -35,7 +35,6 @@ from rich.console import Console
 from rich.table import Table
 
 from cpumoe import ops
-from cpumoe.torch_gemm import gemm_dtype
 from cpumoe.bench.machine import cpu_model
 from cpumoe.engine import LLMEngine
 from cpumoe.engine.api import SamplingParams
@@ -44,6 +43,7 @@ from cpumoe.loader import Checkpoint
 from cpumoe.models.blocks import MoEBlock
 from cpumoe.models.packed_linear import PackedLinear, QuantizedLinear
 from cpumoe.routing import select_experts
+from cpumoe.torch_gemm import gemm_dtype
 
 MM_SIZE = 4096
 REPEATS = 3            # round-robin repetitions of every case
@@ -163,8 +163,7 @@ def weights_format(engine: LLMEngine) -> str:
 class MachineLimits:
     """This machine's read bandwidth (a streaming-read probe of probe_bytes) and GEMM rate (torch.mm of
     mm_size^3 in dtype, or in float32 where torch has no vector GEMM for dtype: cpumoe.torch_gemm), measured
-    right before each case. Their buffers live only while measuring, so the
-    case's peak RSS is the engine's own."""
+    right before each case. Their buffers live only while measuring, so the case's peak RSS is the engine's own."""
     probe_bytes: int
     mm_size: int
     dtype: torch.dtype

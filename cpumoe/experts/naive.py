@@ -37,7 +37,7 @@ class NaiveExperts(ExpertsBackend):
                 continue
             tokens, slots = torch.nonzero(local_ids == e, as_tuple=True)
             h = torch_gemm.linear(x[tokens], prepared.w13[e],
-                         prepared.w13_bias[e] if prepared.w13_bias is not None else None)  # [T, 2I]
+                                  prepared.w13_bias[e] if prepared.w13_bias is not None else None)  # [T, 2I]
             a = activate(h[:, :inter].float(), h[:, inter:].float(), config.activation).to(x.dtype)
             y = torch_gemm.linear(a, prepared.w2[e], prepared.w2_bias[e] if prepared.w2_bias is not None else None)
             if not config.apply_router_weight_on_input:

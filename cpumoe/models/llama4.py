@@ -244,7 +244,7 @@ class Llama4Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, d]
         step = self.chunk or T
         out = torch.cat([torch_gemm.scaled_dot_product_attention(q[:, :, s:s + step], k[:, :, s:s + step],
-                                                        v[:, :, s:s + step], is_causal=True, enable_gqa=True)
+                                                                 v[:, :, s:s + step], is_causal=True, enable_gqa=True)
                          for s in range(0, T, step)], dim=2)  # [B, nh, T, d]: each chunk on its own
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))  # [B, T, H]
 
