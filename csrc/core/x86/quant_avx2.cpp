@@ -19,18 +19,20 @@
 namespace cpumoe {
 namespace {
 
-constexpr int kPrefetchBytes = 4096;
+// Tiles walk the block in chunks of kChunkK k (4-8 KB of a block at 1 row) and run every column pass of a chunk
+// before the next chunk: the block streams from memory once and in order, and the later passes find the chunk
+// in L1. Sums that span chunks (int8's whole row, a group wider than a chunk) wait in memory between them.
+constexpr int64_t kChunkK = 128;
+constexpr int kPrefetchBytes = 1024;
 
 // Columns per pass: 8 accumulators (int8) or 4 + 4 (int4: int16 slice sums and int32 group sums).
 constexpr int int8_vectors(int R) { return R == 1 ? 8 : R == 2 ? 4 : 2; }  // R = 3: 2
 constexpr int int4_vectors(int R) { return R == 1 ? 4 : R == 2 ? 2 : 1; }  // R = 3: 1
 
-// Prefetches the lines of bytes [first, first + n) of a 256-byte k-row, 4 KB ahead, for 1-row tiles.
-template <int R>
-inline void prefetch_part(const uint8_t* row, int first, int n) {
-  if constexpr (R == 1)
-    for (int off = first & ~63; off < first + n; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes + off, _MM_HINT_T1);
+// The first pass over a chunk prefetches each k-row it reaches, `bytes` of it, kPrefetchBytes ahead into L1.
+inline void prefetch_row(const uint8_t* row, int bytes) {
+  for (int off = 0; off < bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes + off, _MM_HINT_T0);
 }
 
 template <int R>
@@ -38,6 +40,9 @@ void store_rows(float (&ys)[R][64], simd::f32x16 (&y)[R][4]) {
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) y[r][c] = simd::load_f32(ys[r] + 16 * c);
 }
+
+inline __m256i load_i32x8(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void store_i32x8(int32_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 
 template <int R>
 struct Int8Dot {
@@ -48,30 +53,35 @@ struct Int8Dot {
     const __m256i ones = _mm256_set1_epi16(1);
     const int32_t* a[R];
     for (int r = 0; r < R; ++r) a[r] = static_cast<const int32_t*>(t.a_rows[r]);
-    float ys[R][64];
-    for (int v0 = 0; v0 < 8; v0 += V) {
-      __m256i acc[R][V];
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_si256();
-      for (int64_t q = 0; q < t.k / 4; ++q) {
-        const uint8_t* bq = b + 256 * q + 32 * v0;
-        prefetch_part<R>(bq, 0, 32 * V);
-        for (int v = 0; v < V; ++v) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bq + 32 * v));
-          const __m256i w_abs = _mm256_abs_epi8(w);
-          for (int r = 0; r < R; ++r) {
-            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(a[r][q]), w);
-            acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x), ones));
+    int32_t dots[R][64];  // the exact dot products so far
+    for (int64_t k0 = 0; k0 < t.k; k0 += kChunkK) {
+      const int64_t k1 = std::min(k0 + kChunkK, t.k);
+      for (int v0 = 0; v0 < 8; v0 += V) {
+        __m256i acc[R][V];
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < V; ++v) acc[r][v] = k0 == 0 ? _mm256_setzero_si256() : load_i32x8(dots[r] + 8 * (v0 + v));
+        for (int64_t q = k0 / 4; q < k1 / 4; ++q) {
+          const uint8_t* bq = b + 256 * q + 32 * v0;
+          if (v0 == 0) prefetch_row(b + 256 * q, 256);
+          for (int v = 0; v < V; ++v) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bq + 32 * v));
+            const __m256i w_abs = _mm256_abs_epi8(w);
+            for (int r = 0; r < R; ++r) {
+              const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(a[r][q]), w);
+              acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x), ones));
+            }
           }
         }
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < V; ++v) store_i32x8(dots[r] + 8 * (v0 + v), acc[r][v]);
       }
-      for (int r = 0; r < R; ++r) {
-        const __m256 sa = _mm256_set1_ps(qx86::a8_scale(a[r], t.k));
-        for (int v = 0; v < V; ++v) {
-          const int n = 8 * (v0 + v);
-          const __m256 yw = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]), _mm256_loadu_ps(scale + n));
-          _mm256_storeu_ps(ys[r] + n, _mm256_mul_ps(yw, sa));
-        }
+    }
+    float ys[R][64];
+    for (int r = 0; r < R; ++r) {
+      const __m256 sa = _mm256_set1_ps(qx86::a8_scale(a[r], t.k));
+      for (int n = 0; n < 64; n += 8) {
+        const __m256 yw = _mm256_mul_ps(_mm256_cvtepi32_ps(load_i32x8(dots[r] + n)), _mm256_loadu_ps(scale + n));
+        _mm256_storeu_ps(ys[r] + n, _mm256_mul_ps(yw, sa));
       }
     }
     store_rows<R>(ys, y);
@@ -89,48 +99,54 @@ struct Int4Dot {
     const qx86::A8Rows<R> rows(t);
     const auto& a = rows.a;
     const auto& sums = rows.sums;
-    float ys[R][64];
-    for (int v0 = 0; v0 < 8; v0 += V) {
-      __m256 tot[R][V];
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < V; ++v) tot[r][v] = _mm256_setzero_ps();
-      for (int64_t k0 = 0; k0 < Kp; k0 += g) {
-        __m256i acc[R][V];
-        for (int r = 0; r < R; ++r)
-          for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_si256();
-        for (int64_t k32 = k0; k32 < k0 + g; k32 += 32) {
-          __m256i part[R][V];  // int16: at most 8 x 3810
+    float ys[R][64] = {};
+    int32_t held[R][64];  // a group's int32 sums between its chunks
+    for (int64_t k0 = 0; k0 < Kp; k0 += g)
+      for (int64_t c0 = k0; c0 < k0 + g; c0 += kChunkK) {
+        const int64_t c1 = std::min(c0 + kChunkK, k0 + g);
+        for (int v0 = 0; v0 < 8; v0 += V) {
+          __m256i acc[R][V];
           for (int r = 0; r < R; ++r)
-            for (int v = 0; v < V; ++v) part[r][v] = _mm256_setzero_si256();
-          for (int64_t s = k32 / 8; s < k32 / 8 + 4; ++s) {
-            const uint8_t* bs = b + 256 * s + 32 * v0;
-            prefetch_part<R>(bs, 0, 32 * V);
-            for (int v = 0; v < V; ++v) {
-              const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 32 * v));
-              const __m256i lo = _mm256_and_si256(raw, low4);
-              const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-              for (int r = 0; r < R; ++r) {
-                part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[r][2 * s])));
-                part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[r][2 * s + 1])));
+            for (int v = 0; v < V; ++v) acc[r][v] = c0 == k0 ? _mm256_setzero_si256() : load_i32x8(held[r] + 8 * (v0 + v));
+          for (int64_t k32 = c0; k32 < c1; k32 += 32) {
+            __m256i part[R][V];  // int16: at most 8 x 3810
+            for (int r = 0; r < R; ++r)
+              for (int v = 0; v < V; ++v) part[r][v] = _mm256_setzero_si256();
+            for (int64_t s = k32 / 8; s < k32 / 8 + 4; ++s) {
+              const uint8_t* bs = b + 256 * s + 32 * v0;
+              if (v0 == 0) prefetch_row(b + 256 * s, 256);
+              for (int v = 0; v < V; ++v) {
+                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 32 * v));
+                const __m256i lo = _mm256_and_si256(raw, low4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                for (int r = 0; r < R; ++r) {
+                  part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[r][2 * s])));
+                  part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[r][2 * s + 1])));
+                }
               }
             }
+            for (int r = 0; r < R; ++r)
+              for (int v = 0; v < V; ++v) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(part[r][v], ones));
           }
-          for (int r = 0; r < R; ++r)
-            for (int v = 0; v < V; ++v) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(part[r][v], ones));
-        }
-        const float* sw = meta + 128 * (k0 / g) + 8 * v0;
-        for (int r = 0; r < R; ++r) {
-          const __m256 sum_a = _mm256_set1_ps(float(qx86::a8_sum(sums[r], k0, k0 + g)));
-          for (int v = 0; v < V; ++v) {  // unfused, in quant_generic's order (see the header)
-            const __m256 d = _mm256_sub_ps(_mm256_cvtepi32_ps(acc[r][v]), _mm256_mul_ps(_mm256_loadu_ps(sw + 64 + 8 * v), sum_a));
-            tot[r][v] = _mm256_add_ps(tot[r][v], _mm256_mul_ps(_mm256_loadu_ps(sw + 8 * v), d));
+          if (c1 < k0 + g) {
+            for (int r = 0; r < R; ++r)
+              for (int v = 0; v < V; ++v) store_i32x8(held[r] + 8 * (v0 + v), acc[r][v]);
+            continue;
+          }
+          const float* sw = meta + 128 * (k0 / g) + 8 * v0;
+          for (int r = 0; r < R; ++r) {
+            const __m256 sum_a = _mm256_set1_ps(float(qx86::a8_sum(sums[r], k0, k0 + g)));
+            for (int v = 0; v < V; ++v) {  // unfused, in quant_generic's order (see the header)
+              float* tot = ys[r] + 8 * (v0 + v);
+              const __m256 d = _mm256_sub_ps(_mm256_cvtepi32_ps(acc[r][v]), _mm256_mul_ps(_mm256_loadu_ps(sw + 64 + 8 * v), sum_a));
+              _mm256_storeu_ps(tot, _mm256_add_ps(_mm256_loadu_ps(tot), _mm256_mul_ps(_mm256_loadu_ps(sw + 8 * v), d)));
+            }
           }
         }
       }
-      for (int r = 0; r < R; ++r) {
-        const __m256 sa = _mm256_set1_ps(qx86::a8_scale(a[r], Kp));
-        for (int v = 0; v < V; ++v) _mm256_storeu_ps(ys[r] + 8 * (v0 + v), _mm256_mul_ps(tot[r][v], sa));
-      }
+    for (int r = 0; r < R; ++r) {
+      const __m256 sa = _mm256_set1_ps(qx86::a8_scale(a[r], Kp));
+      for (int n = 0; n < 64; n += 8) _mm256_storeu_ps(ys[r] + n, _mm256_mul_ps(_mm256_loadu_ps(ys[r] + n), sa));
     }
     store_rows<R>(ys, y);
   }
@@ -168,37 +184,49 @@ struct Fp8Dot {
     const float* a[R];
     widen_rows<R>(t, a);
     float ys[R][64] = {};
-    for (int v0 = 0; v0 < 8; v0 += V)
-      for (int64_t k0 = 0, chunk = 0; k0 < t.k; k0 += t.group, ++chunk) {
-        const int64_t k1 = std::min(k0 + t.group, t.k);
-        __m256 acc[R][V][2];
-        for (int r = 0; r < R; ++r)
-          for (int v = 0; v < V; ++v) acc[r][v][0] = acc[r][v][1] = _mm256_setzero_ps();
-        for (int64_t p = k0 / 2; p < k1 / 2; ++p) {
-          const uint8_t* bp = b + 128 * p + 16 * v0;
-          prefetch_part<R>(bp, 0, 16 * V);
-          __m256 x[R];
-          for (int r = 0; r < R; ++r) x[r] = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(a[r] + 2 * p)));
+    float held[R][8][2][8];  // a k-chunk's pair sums between its parts (a chunk wider than kChunkK)
+    for (int64_t k0 = 0, chunk = 0; k0 < t.k; k0 += t.group, ++chunk) {
+      const int64_t k1 = std::min(k0 + t.group, t.k);
+      for (int64_t c0 = k0; c0 < k1; c0 += kChunkK) {
+        const int64_t c1 = std::min(c0 + kChunkK, k1);
+        for (int v0 = 0; v0 < 8; v0 += V) {
+          __m256 acc[R][V][2];
+          for (int r = 0; r < R; ++r)
+            for (int v = 0; v < V; ++v)
+              for (int h = 0; h < 2; ++h) acc[r][v][h] = c0 == k0 ? _mm256_setzero_ps() : _mm256_loadu_ps(held[r][v0 + v][h]);
+          for (int64_t p = c0 / 2; p < c1 / 2; ++p) {
+            const uint8_t* bp = b + 128 * p + 16 * v0;
+            if (v0 == 0) prefetch_row(b + 128 * p, 128);
+            __m256 x[R];
+            for (int r = 0; r < R; ++r) x[r] = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(a[r] + 2 * p)));
+            for (int v = 0; v < V; ++v) {
+              const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16 * v));
+              const __m256 lo = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, raw), 1), clear14));
+              const __m256 hi = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, raw), 1), clear14));
+              for (int r = 0; r < R; ++r) {
+                acc[r][v][0] = _mm256_fmadd_ps(lo, x[r], acc[r][v][0]);  // columns 0..3, k and k + 1
+                acc[r][v][1] = _mm256_fmadd_ps(hi, x[r], acc[r][v][1]);  // columns 4..7
+              }
+            }
+          }
+          if (c1 < k1) {
+            for (int r = 0; r < R; ++r)
+              for (int v = 0; v < V; ++v)
+                for (int h = 0; h < 2; ++h) _mm256_storeu_ps(held[r][v0 + v][h], acc[r][v][h]);
+            continue;
+          }
           for (int v = 0; v < V; ++v) {
-            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16 * v));
-            const __m256 lo = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, raw), 1), clear14));
-            const __m256 hi = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, raw), 1), clear14));
+            const int n = 8 * (v0 + v);
+            const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scales + 64 * chunk + n), unscale);
             for (int r = 0; r < R; ++r) {
-              acc[r][v][0] = _mm256_fmadd_ps(lo, x[r], acc[r][v][0]);  // columns 0..3, k and k + 1
-              acc[r][v][1] = _mm256_fmadd_ps(hi, x[r], acc[r][v][1]);  // columns 4..7
+              const __m256 sum = _mm256_castpd_ps(_mm256_permute4x64_pd(
+                  _mm256_castps_pd(_mm256_hadd_ps(acc[r][v][0], acc[r][v][1])), 0xD8));  // columns 0..7
+              _mm256_storeu_ps(ys[r] + n, _mm256_fmadd_ps(sum, s, _mm256_loadu_ps(ys[r] + n)));
             }
           }
         }
-        for (int v = 0; v < V; ++v) {
-          const int n = 8 * (v0 + v);
-          const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scales + 64 * chunk + n), unscale);
-          for (int r = 0; r < R; ++r) {
-            const __m256 sum = _mm256_castpd_ps(_mm256_permute4x64_pd(
-                _mm256_castps_pd(_mm256_hadd_ps(acc[r][v][0], acc[r][v][1])), 0xD8));  // columns 0..7
-            _mm256_storeu_ps(ys[r] + n, _mm256_fmadd_ps(sum, s, _mm256_loadu_ps(ys[r] + n)));
-          }
-        }
       }
+    }
     store_rows<R>(ys, y);
   }
 };
@@ -220,46 +248,51 @@ struct Mxfp4Dot {
     const qx86::A8Rows<R> rows(t);
     const auto& a = rows.a;
     const auto& sums = rows.sums;
-    float ys[R][64];
-    for (int v0 = 0; v0 < 8; v0 += V) {
-      __m256 tot[R][V];
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < V; ++v) tot[r][v] = _mm256_setzero_ps();
-      for (int64_t G = 0; G < Kp / kMxfp4Group; ++G) {
-        __m256i acc[R][V];
+    float ys[R][64] = {};
+    for (int64_t c0 = 0; c0 < Kp; c0 += kChunkK) {
+      const int64_t c1 = std::min(c0 + kChunkK, Kp);
+      for (int v0 = 0; v0 < 8; v0 += V) {
+        __m256 tot[R][V];
         for (int r = 0; r < R; ++r)
-          for (int v = 0; v < V; ++v) acc[r][v] = _mm256_set1_epi32(-kMxfp4Offset * sums[r][G]);
-        for (int64_t s0 = 4 * G; s0 < 4 * G + 4; s0 += 2) {
-          __m256i part[R][V];  // int16: at most 4 x 6096
+          for (int v = 0; v < V; ++v) tot[r][v] = _mm256_loadu_ps(ys[r] + 8 * (v0 + v));
+        for (int64_t G = c0 / kMxfp4Group; G < c1 / kMxfp4Group; ++G) {
+          __m256i acc[R][V];
           for (int r = 0; r < R; ++r)
-            for (int v = 0; v < V; ++v) part[r][v] = _mm256_setzero_si256();
-          for (int64_t s = s0; s < s0 + 2; ++s) {
-            const uint8_t* bs = b + 256 * s + 32 * v0;
-            prefetch_part<R>(bs, 0, 32 * V);
-            for (int v = 0; v < V; ++v) {
-              const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 32 * v));
-              const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, low4));
-              const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
-              for (int r = 0; r < R; ++r) {
-                part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[r][2 * s])));
-                part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[r][2 * s + 1])));
+            for (int v = 0; v < V; ++v) acc[r][v] = _mm256_set1_epi32(-kMxfp4Offset * sums[r][G]);
+          for (int64_t s0 = 4 * G; s0 < 4 * G + 4; s0 += 2) {
+            __m256i part[R][V];  // int16: at most 4 x 6096
+            for (int r = 0; r < R; ++r)
+              for (int v = 0; v < V; ++v) part[r][v] = _mm256_setzero_si256();
+            for (int64_t s = s0; s < s0 + 2; ++s) {
+              const uint8_t* bs = b + 256 * s + 32 * v0;
+              if (v0 == 0) prefetch_row(b + 256 * s, 256);
+              for (int v = 0; v < V; ++v) {
+                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 32 * v));
+                const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, low4));
+                const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+                for (int r = 0; r < R; ++r) {
+                  part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[r][2 * s])));
+                  part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[r][2 * s + 1])));
+                }
               }
             }
+            for (int r = 0; r < R; ++r)
+              for (int v = 0; v < V; ++v) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(part[r][v], ones));
           }
-          for (int r = 0; r < R; ++r)
-            for (int v = 0; v < V; ++v) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(part[r][v], ones));
+          for (int v = 0; v < V; ++v) {
+            const __m128i e = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(exps + 64 * G + 8 * (v0 + v)));
+            const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(e), 23));  // 2^(e - 127)
+            for (int r = 0; r < R; ++r)  // scale x acc is exact: one rounding per group, as quant_generic's
+              tot[r][v] = _mm256_add_ps(tot[r][v], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(acc[r][v])));
+          }
         }
-        for (int v = 0; v < V; ++v) {
-          const __m128i e = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(exps + 64 * G + 8 * (v0 + v)));
-          const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(e), 23));  // 2^(e - 127)
-          for (int r = 0; r < R; ++r)  // scale x acc is exact: one rounding per group, as quant_generic's
-            tot[r][v] = _mm256_add_ps(tot[r][v], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(acc[r][v])));
-        }
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < V; ++v) _mm256_storeu_ps(ys[r] + 8 * (v0 + v), tot[r][v]);
       }
-      for (int r = 0; r < R; ++r) {
-        const __m256 half_sa = _mm256_set1_ps(qx86::a8_scale(a[r], Kp) * 0.5f);
-        for (int v = 0; v < V; ++v) _mm256_storeu_ps(ys[r] + 8 * (v0 + v), _mm256_mul_ps(tot[r][v], half_sa));
-      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 half_sa = _mm256_set1_ps(qx86::a8_scale(a[r], Kp) * 0.5f);
+      for (int n = 0; n < 64; n += 8) _mm256_storeu_ps(ys[r] + n, _mm256_mul_ps(_mm256_loadu_ps(ys[r] + n), half_sa));
     }
     store_rows<R>(ys, y);
   }
