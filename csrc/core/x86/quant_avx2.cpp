@@ -6,10 +6,11 @@
 //         them (one 32-k slice: 4 k-octets, low and high nibbles) add in int16 before one VPMADDWD.
 // Results are bit-identical to quant_generic's (same float operations and order, -ffp-contract=off).
 // A ymm is 8 columns x one k-quad of either block (quant.h), a row's k-quad one 32-bit broadcast. 16 ymm
-// registers hold 8 accumulators, so a register tile covers R rows x 64/R columns (R = 1, 2, 4) and walks
-// the block R times; decode (R = 1) streams it once with an L2 prefetch 4 KB ahead. Measured on one Xeon (Emerald Rapids) thread, 1 row, 1 GB of
-// Kp = 2048 blocks, against the AVX-512 dense bf16 tile (15 GB/s): int8 2.1x the rows per second, int4 g128
-// 3.7x, fp8 0.9x; 64 rows: int8 1.0x, int4 3.75x, fp8 0.55x.
+// registers hold 8 accumulators, so a register pass covers R rows x 64/R columns (R = 1, 2, 4), and a tile
+// runs its passes chunk by chunk (below). On one Zen 3 thread at M = 1, streaming 17-35 MB of packed linear
+// weights, the whole-block passes (each over every k, a 4 KB L2 prefetch) read int4 at 50% of the read
+// probe and fp8 at 54%; chunked with the L1 prefetch, int8 85-95%, int4 and mxfp4 70-83%, fp8 60-70% (fp8's
+// widening is its limit: 9-10 GB/s a thread even on weights that stay in L2).
 #include <algorithm>
 #include <vector>
 
