@@ -9,8 +9,8 @@
 // registers hold 8 accumulators, so a register pass covers R rows x 64/R columns (R = 1, 2, 4), and a tile
 // runs its passes chunk by chunk (below). On one Zen 3 thread at M = 1, streaming 17-35 MB of packed linear
 // weights, the whole-block passes (each over every k, a 4 KB L2 prefetch) read int4 at 50% of the read
-// probe and fp8 at 54%; chunked with the L1 prefetch, int8 85-95%, int4 and mxfp4 70-83%, fp8 60-70% (fp8's
-// widening is its limit: 9-10 GB/s a thread even on weights that stay in L2).
+// probe and fp8 at 54%; chunked with the L1 prefetch, int8 85-95%, int4 and mxfp4 70-83%, fp8 60-70% (fp8 is
+// compute-bound: 9-10 GB/s a thread even on weights that stay in L2).
 #include <algorithm>
 #include <vector>
 
