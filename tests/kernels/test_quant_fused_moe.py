@@ -19,6 +19,7 @@ SCHEMES = [
     ("int4_w4a16", 0, False),  # a whole row
     ("fp8_w8a16", 128, True),
     ("fp8_w8a16", 32, True),
+    ("fp8_w8a16", 256, True),  # k blocks wider than the AVX2 tiles' chunks of 128
     ("mxfp4_w4a16", None, True),
 ]
 
