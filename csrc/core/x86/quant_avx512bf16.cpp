@@ -127,20 +127,12 @@ void chunked_dot(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
     for (int c = 0; c < 4; ++c) y[r][c] = (simd::f32x16)tot[r][c];
 }
 
-// This thread's grow-only scratch of at least `bytes`, 64-byte aligned.
-inline uint8_t* scratch(int64_t bytes) {
-  struct alignas(64) Line { uint8_t bytes[64]; };
-  thread_local std::vector<Line> lines;
-  if (lines.size() < size_t((bytes + 63) / 64)) lines.resize((bytes + 63) / 64);
-  return lines.data()->bytes;
-}
-
 // fp8 widened to Fp8Widened's layout. Folding its scales into bf16 would round w * scale
 // (up to 7.5e-3 of the largest output in the harness); the chunked tile keeps them in f32 at no cost here.
 const void* widen_fp8(const GemmTile& t) {
   const Fp8 f(t);
   const int64_t chunks = (t.k + t.group - 1) / t.group;
-  uint8_t* dst = scratch(128 * t.k + 256 * chunks);
+  uint8_t* dst = qx86::scratch(128 * t.k + 256 * chunks);
   for (int64_t p = 0; p < t.k / 2; ++p) {
     __m512i w[4];
     f.row(p, w);

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "../quant.h"
 #include "../simd.h"
@@ -40,6 +41,14 @@ static inline int32_t a8_sum(const int32_t* sums, int64_t k0, int64_t k1) {
   int32_t s = 0;
   for (int64_t c = k0 / 32; c < k1 / 32; ++c) s += sums[c];
   return s;
+}
+
+// This thread's grow-only scratch of at least `bytes`, 64-byte aligned (a block widened once per call).
+static inline uint8_t* scratch(int64_t bytes) {
+  struct alignas(64) Line { uint8_t bytes[64]; };
+  thread_local std::vector<Line> lines;
+  if (lines.size() < size_t((bytes + 63) / 64)) lines.resize((bytes + 63) / 64);
+  return lines.data()->bytes;
 }
 
 // A tile's R activation rows, read as k-quads (int32 words of four int8 codes), with their per-32 sums.
@@ -79,13 +88,21 @@ struct Tiles {
   static constexpr std::array<TileFn, MaxRows + 1> w2_fns(std::index_sequence<I...>) {
     return {nullptr, &w2_rows<Dot, int(I) + 1>...};
   }
-  static void w13(const GemmTile& t) {
+  static void w13(const GemmTile& t) { w13_by(t, MaxRows); }
+  static void w2(const GemmTile& t) { w2_by(t, MaxRows); }
+  // Tiles of at most `rows` rows (<= MaxRows).
+  static void w13_by(const GemmTile& t, int rows) {
     static constexpr auto fns = w13_fns(std::make_index_sequence<MaxRows>());
-    run_row_tiles(t, fns.data(), MaxRows, dtype_size(Out));
+    run_row_tiles(t, fns.data(), rows, dtype_size(Out));
   }
-  static void w2(const GemmTile& t) {
+  static void w2_by(const GemmTile& t, int rows) {
     static constexpr auto fns = w2_fns(std::make_index_sequence<MaxRows>());
-    run_row_tiles(t, fns.data(), MaxRows, 4);
+    run_row_tiles(t, fns.data(), rows, 4);
+  }
+  // The fewest tiles that cover t's rows, their sizes as even as can be (8 rows: 4 + 4, not MaxRows = 6 + 2).
+  static int even_rows(const GemmTile& t) {
+    const int tiles = (t.rows + MaxRows - 1) / MaxRows;
+    return (t.rows + tiles - 1) / tiles;
   }
 };
 
