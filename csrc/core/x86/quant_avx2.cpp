@@ -37,6 +37,12 @@ inline void prefetch_row(const uint8_t* row, int bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes + off, _MM_HINT_T0);
 }
 
+// A block's metadata (scales, zero points, exponents) lies past its codes, off the stream prefetch_row follows:
+// the metadata a group's end reads is prefetched into L1 as the group starts.
+inline void prefetch_meta(const void* p, int bytes) {
+  for (int off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
 template <int R>
 void store_rows(float (&ys)[R][64], simd::f32x16 (&y)[R][4]) {
   for (int r = 0; r < R; ++r)
@@ -56,6 +62,7 @@ struct Int8Dot {
     const int32_t* a[R];
     for (int r = 0; r < R; ++r) a[r] = static_cast<const int32_t*>(t.a_rows[r]);
     int32_t dots[R][64];  // the exact dot products so far
+    prefetch_meta(scale, 256);
     for (int64_t k0 = 0; k0 < t.k; k0 += kChunkK) {
       const int64_t k1 = std::min(k0 + kChunkK, t.k);
       for (int v0 = 0; v0 < 8; v0 += V) {
@@ -103,7 +110,8 @@ struct Int4Dot {
     const auto& sums = rows.sums;
     float ys[R][64] = {};
     int32_t held[R][64];  // a group's int32 sums between its chunks
-    for (int64_t k0 = 0; k0 < Kp; k0 += g)
+    for (int64_t k0 = 0; k0 < Kp; k0 += g) {
+      prefetch_meta(meta + 128 * (k0 / g), 512);
       for (int64_t c0 = k0; c0 < k0 + g; c0 += kChunkK) {
         const int64_t c1 = std::min(c0 + kChunkK, k0 + g);
         for (int v0 = 0; v0 < 8; v0 += V) {
@@ -146,6 +154,7 @@ struct Int4Dot {
           }
         }
       }
+    }
     for (int r = 0; r < R; ++r) {
       const __m256 sa = _mm256_set1_ps(qx86::a8_scale(a[r], Kp));
       for (int n = 0; n < 64; n += 8) _mm256_storeu_ps(ys[r] + n, _mm256_mul_ps(_mm256_loadu_ps(ys[r] + n), sa));
@@ -189,6 +198,7 @@ struct Fp8Dot {
     float held[R][8][2][8];  // a k-chunk's pair sums between its parts (a chunk wider than kChunkK)
     for (int64_t k0 = 0, chunk = 0; k0 < t.k; k0 += t.group, ++chunk) {
       const int64_t k1 = std::min(k0 + t.group, t.k);
+      prefetch_meta(scales + 64 * chunk, 256);
       for (int64_t c0 = k0; c0 < k1; c0 += kChunkK) {
         const int64_t c1 = std::min(c0 + kChunkK, k1);
         for (int v0 = 0; v0 < 8; v0 += V) {
@@ -343,6 +353,7 @@ struct Mxfp4Dot {
     float ys[R][64] = {};
     for (int64_t c0 = 0; c0 < Kp; c0 += kChunkK) {
       const int64_t c1 = std::min(c0 + kChunkK, Kp);
+      prefetch_meta(exps + 64 * (c0 / kMxfp4Group), int(64 * ((c1 - c0) / kMxfp4Group)));
       for (int v0 = 0; v0 < 8; v0 += V) {
         __m256 tot[R][V];
         for (int r = 0; r < R; ++r)
