@@ -97,6 +97,34 @@ struct Int8Dot {
   }
 };
 
+// acc[r][v] += the products of R rows' activations with the 4-bit codes of k-octets [s0, s0 + N), columns
+// 8 (v0 + v) .. + 7 (quant.h's nibble order), each code turned into VPMADDUBSW's unsigned operand by `operand`
+// (int4: the code itself; mxfp4: a table). The products add in int16 over the N octets, so 2N x the largest
+// pair must stay below 32768, then widen to int32 once.
+template <int R, int V, int N, class Operand>
+inline void add_nibble_octets(const uint8_t* b, int64_t s0, int v0, const int32_t* const (&a)[R],
+                              __m256i (&acc)[R][V], Operand operand) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i part[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) part[r][v] = _mm256_setzero_si256();
+  for (int64_t s = s0; s < s0 + N; ++s) {
+    const uint8_t* bs = b + 256 * s + 32 * v0;
+    if (v0 == 0) prefetch_row(b + 256 * s, 256);
+    for (int v = 0; v < V; ++v) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 32 * v));
+      const __m256i lo = operand(_mm256_and_si256(raw, low4));
+      const __m256i hi = operand(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+      for (int r = 0; r < R; ++r) {
+        part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[r][2 * s])));
+        part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[r][2 * s + 1])));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(part[r][v], ones));
+}
+
 template <int R>
 struct Int4Dot {
   static constexpr int V = int4_vectors(R);
@@ -104,7 +132,6 @@ struct Int4Dot {
     const uint8_t* b = static_cast<const uint8_t*>(t.b);
     const int64_t Kp = t.k, g = t.group;
     const float* meta = reinterpret_cast<const float*>(b + 32 * Kp);  // per group: scale[64], zero[64]
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const qx86::A8Rows<R> rows(t);
     const auto& a = rows.a;
     const auto& sums = rows.sums;
@@ -118,26 +145,8 @@ struct Int4Dot {
           __m256i acc[R][V];
           for (int r = 0; r < R; ++r)
             for (int v = 0; v < V; ++v) acc[r][v] = c0 == k0 ? _mm256_setzero_si256() : load_i32x8(held[r] + 8 * (v0 + v));
-          for (int64_t k32 = c0; k32 < c1; k32 += 32) {
-            __m256i part[R][V];  // int16: at most 8 x 3810
-            for (int r = 0; r < R; ++r)
-              for (int v = 0; v < V; ++v) part[r][v] = _mm256_setzero_si256();
-            for (int64_t s = k32 / 8; s < k32 / 8 + 4; ++s) {
-              const uint8_t* bs = b + 256 * s + 32 * v0;
-              if (v0 == 0) prefetch_row(b + 256 * s, 256);
-              for (int v = 0; v < V; ++v) {
-                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 32 * v));
-                const __m256i lo = _mm256_and_si256(raw, low4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                for (int r = 0; r < R; ++r) {
-                  part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[r][2 * s])));
-                  part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[r][2 * s + 1])));
-                }
-              }
-            }
-            for (int r = 0; r < R; ++r)
-              for (int v = 0; v < V; ++v) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(part[r][v], ones));
-          }
+          for (int64_t k32 = c0; k32 < c1; k32 += 32)  // int16 sums of 4 octets: at most 8 x 3810
+            add_nibble_octets<R, V, 4>(b, k32 / 8, v0, a, acc, [](__m256i code) { return code; });
           if (c1 < k0 + g) {
             for (int r = 0; r < R; ++r)
               for (int v = 0; v < V; ++v) store_i32x8(held[r] + 8 * (v0 + v), acc[r][v]);
@@ -343,7 +352,6 @@ struct Mxfp4Dot {
     const uint8_t* b = static_cast<const uint8_t*>(t.b);
     const int64_t Kp = t.k;
     const uint8_t* exps = b + 32 * Kp;  // [Kp/32][64]
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     alignas(16) int8_t table[16];
     for (int q = 0; q < 16; ++q) table[q] = int8_t(kMxfp4Twice[q] + kMxfp4Offset);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
@@ -362,26 +370,9 @@ struct Mxfp4Dot {
           __m256i acc[R][V];
           for (int r = 0; r < R; ++r)
             for (int v = 0; v < V; ++v) acc[r][v] = _mm256_set1_epi32(-kMxfp4Offset * sums[r][G]);
-          for (int64_t s0 = 4 * G; s0 < 4 * G + 4; s0 += 2) {
-            __m256i part[R][V];  // int16: at most 4 x 6096
-            for (int r = 0; r < R; ++r)
-              for (int v = 0; v < V; ++v) part[r][v] = _mm256_setzero_si256();
-            for (int64_t s = s0; s < s0 + 2; ++s) {
-              const uint8_t* bs = b + 256 * s + 32 * v0;
-              if (v0 == 0) prefetch_row(b + 256 * s, 256);
-              for (int v = 0; v < V; ++v) {
-                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 32 * v));
-                const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, low4));
-                const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
-                for (int r = 0; r < R; ++r) {
-                  part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[r][2 * s])));
-                  part[r][v] = _mm256_add_epi16(part[r][v], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[r][2 * s + 1])));
-                }
-              }
-            }
-            for (int r = 0; r < R; ++r)
-              for (int v = 0; v < V; ++v) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(part[r][v], ones));
-          }
+          for (int64_t s0 = 4 * G; s0 < 4 * G + 4; s0 += 2)  // int16 sums of 2 octets: at most 4 x 6096
+            add_nibble_octets<R, V, 2>(b, s0, v0, a, acc,
+                                       [lut](__m256i code) { return _mm256_shuffle_epi8(lut, code); });
           for (int v = 0; v < V; ++v) {
             const __m128i e = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(exps + 64 * G + 8 * (v0 + v)));
             const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(e), 23));  // 2^(e - 127)
