@@ -189,6 +189,16 @@ void widen_rows(const GemmTile& t, const float* (&a)[R]) {
   }
 }
 
+// What an fp8 tile keeps over a call: its rows widened to f32, its outputs, and a k-chunk's pair sums held between
+// the chunk's parts (a chunk wider than kChunkK).
+template <int R>
+struct Fp8Rows {
+  const float* a[R];
+  float ys[R][64] = {};
+  float held[R][8][2][8];
+  explicit Fp8Rows(const GemmTile& t) { widen_rows<R>(t, a); }
+};
+
 // fp8: the byte in the high half of a 16-bit word, shifted right by 1 (arithmetic) with bit 14 cleared, is
 // s 0eeee mmm0000000: the fp16 of the e4m3 value x 2^-8, subnormals included, which VCVTPH2PS widens
 // exactly. 16 bytes are 8 columns x a k-pair: the f32 lanes keep k interleaved against an (a[k], a[k+1])
@@ -201,10 +211,7 @@ struct Fp8Dot {
     const float* scales = reinterpret_cast<const float*>(b + 64 * t.k);
     const __m128i zero = _mm_setzero_si128(), clear14 = _mm_set1_epi16(int16_t(0xBFFF));
     const __m256 unscale = _mm256_set1_ps(256.0f);
-    const float* a[R];
-    widen_rows<R>(t, a);
-    float ys[R][64] = {};
-    float held[R][8][2][8];  // a k-chunk's pair sums between its parts (a chunk wider than kChunkK)
+    Fp8Rows<R> rows(t);
     for (int64_t k0 = 0, chunk = 0; k0 < t.k; k0 += t.group, ++chunk) {
       const int64_t k1 = std::min(k0 + t.group, t.k);
       prefetch_meta(scales + 64 * chunk, 256);
@@ -214,12 +221,14 @@ struct Fp8Dot {
           __m256 acc[R][V][2];
           for (int r = 0; r < R; ++r)
             for (int v = 0; v < V; ++v)
-              for (int h = 0; h < 2; ++h) acc[r][v][h] = c0 == k0 ? _mm256_setzero_ps() : _mm256_loadu_ps(held[r][v0 + v][h]);
+              for (int h = 0; h < 2; ++h)
+                acc[r][v][h] = c0 == k0 ? _mm256_setzero_ps() : _mm256_loadu_ps(rows.held[r][v0 + v][h]);
           for (int64_t p = c0 / 2; p < c1 / 2; ++p) {
             const uint8_t* bp = b + 128 * p + 16 * v0;
             if (v0 == 0) prefetch_row(b + 128 * p, 128);
             __m256 x[R];
-            for (int r = 0; r < R; ++r) x[r] = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(a[r] + 2 * p)));
+            for (int r = 0; r < R; ++r)
+              x[r] = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(rows.a[r] + 2 * p)));
             for (int v = 0; v < V; ++v) {
               const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16 * v));
               const __m256 lo = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, raw), 1), clear14));
@@ -233,7 +242,7 @@ struct Fp8Dot {
           if (c1 < k1) {
             for (int r = 0; r < R; ++r)
               for (int v = 0; v < V; ++v)
-                for (int h = 0; h < 2; ++h) _mm256_storeu_ps(held[r][v0 + v][h], acc[r][v][h]);
+                for (int h = 0; h < 2; ++h) _mm256_storeu_ps(rows.held[r][v0 + v][h], acc[r][v][h]);
             continue;
           }
           for (int v = 0; v < V; ++v) {
@@ -242,13 +251,13 @@ struct Fp8Dot {
             for (int r = 0; r < R; ++r) {
               const __m256 sum = _mm256_castpd_ps(_mm256_permute4x64_pd(
                   _mm256_castps_pd(_mm256_hadd_ps(acc[r][v][0], acc[r][v][1])), 0xD8));  // columns 0..7
-              _mm256_storeu_ps(ys[r] + n, _mm256_fmadd_ps(sum, s, _mm256_loadu_ps(ys[r] + n)));
+              _mm256_storeu_ps(rows.ys[r] + n, _mm256_fmadd_ps(sum, s, _mm256_loadu_ps(rows.ys[r] + n)));
             }
           }
         }
       }
     }
-    store_rows<R>(ys, y);
+    store_rows<R>(rows.ys, y);
   }
 };
 
@@ -286,10 +295,7 @@ struct Fp8WidenedDot {
   static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
     const uint8_t* b = static_cast<const uint8_t*>(t.b);
     const float* scales = reinterpret_cast<const float*>(b + 128 * t.k);
-    const float* a[R];
-    widen_rows<R>(t, a);
-    float ys[R][64] = {};
-    float held[R][8][2][8];  // a k-chunk's pair sums between its parts (a chunk wider than kChunkK)
+    Fp8Rows<R> rows(t);
     for (int64_t k0 = 0, chunk = 0; k0 < t.k; k0 += t.group, ++chunk) {
       const int64_t k1 = std::min(k0 + t.group, t.k);
       for (int64_t c0 = k0; c0 < k1; c0 += kChunkK) {
@@ -297,31 +303,33 @@ struct Fp8WidenedDot {
         for (int v = 0; v < 8; ++v) {
           __m256 acc[R][2];
           for (int r = 0; r < R; ++r)
-            for (int h = 0; h < 2; ++h) acc[r][h] = c0 == k0 ? _mm256_setzero_ps() : _mm256_loadu_ps(held[r][v][h]);
+            for (int h = 0; h < 2; ++h)
+              acc[r][h] = c0 == k0 ? _mm256_setzero_ps() : _mm256_loadu_ps(rows.held[r][v][h]);
           for (int64_t p = c0 / 2; p < c1 / 2; ++p) {
             const __m128i* bp = reinterpret_cast<const __m128i*>(b + 256 * p + 32 * v);
             const __m256 lo = _mm256_cvtph_ps(_mm_load_si128(bp)), hi = _mm256_cvtph_ps(_mm_load_si128(bp + 1));
             for (int r = 0; r < R; ++r) {
-              const __m256 x = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(a[r] + 2 * p)));
+              const __m256 x =
+                  _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(rows.a[r] + 2 * p)));
               acc[r][0] = _mm256_fmadd_ps(lo, x, acc[r][0]);  // columns 0..3 of the 8, k and k + 1
               acc[r][1] = _mm256_fmadd_ps(hi, x, acc[r][1]);  // columns 4..7
             }
           }
           if (c1 < k1) {
             for (int r = 0; r < R; ++r)
-              for (int h = 0; h < 2; ++h) _mm256_storeu_ps(held[r][v][h], acc[r][h]);
+              for (int h = 0; h < 2; ++h) _mm256_storeu_ps(rows.held[r][v][h], acc[r][h]);
             continue;
           }
           const __m256 s = _mm256_load_ps(scales + 64 * chunk + 8 * v);
           for (int r = 0; r < R; ++r) {
             const __m256 sum = _mm256_castpd_ps(_mm256_permute4x64_pd(
                 _mm256_castps_pd(_mm256_hadd_ps(acc[r][0], acc[r][1])), 0xD8));  // columns 0..7
-            _mm256_storeu_ps(ys[r] + 8 * v, _mm256_fmadd_ps(sum, s, _mm256_loadu_ps(ys[r] + 8 * v)));
+            _mm256_storeu_ps(rows.ys[r] + 8 * v, _mm256_fmadd_ps(sum, s, _mm256_loadu_ps(rows.ys[r] + 8 * v)));
           }
         }
       }
     }
-    store_rows<R>(ys, y);
+    store_rows<R>(rows.ys, y);
   }
 };
 
