@@ -263,7 +263,8 @@ def _add_bench(commands) -> None:
     from cpumoe.bench.pruning.cli import add_parser as add_prune_sweep
     from cpumoe.bench.serve.cli import add_parser as add_serve
     from cpumoe.bench.sweep.cli import add_parser as add_sweep
-    for add in (add_serve, add_sweep, add_experts, add_prune_sweep):
+    from cpumoe.bench.throughput.cli import add_parser as add_throughput
+    for add in (add_serve, add_throughput, add_sweep, add_experts, add_prune_sweep):
         add(bench)
 
 

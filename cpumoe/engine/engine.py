@@ -121,6 +121,7 @@ class LLMEngine:
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0       # sequence-steps that verified at least one draft
         self.speculative, self.proposer = None, None
+        self.last_batch: ScheduledBatch | None = None  # what the last step ran (benchmarks read its make-up)
         self._draft_args = dict(vocab_size=self.vocab_size, dtype=dtype, backend=backend,
                                 kv_cache_bytes=config.kv_cache_bytes, block_size=config.block_size)
         self.set_speculative(config.speculative)
@@ -190,6 +191,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
+        self.last_batch = batch
         tokens = self.runner.run(batch)
         return outputs + self.postprocess(batch, tokens)
 

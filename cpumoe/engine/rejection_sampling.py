@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from cpumoe.engine.api import SamplingParams
-from cpumoe.engine.sampling import FAILED, GREEDY_EPS, probabilities
+from cpumoe.engine.sampling import FAILED, GREEDY_EPS, draw, probabilities
 
 
 def verify(logits: torch.Tensor, drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
@@ -61,8 +61,8 @@ def _verify_sampled(rows: torch.Tensor, drafts: list[int], q: torch.Tensor | Non
             residual = (residual - q[i]).clamp_(min=0.0)
         if not residual.sum() > 0:  # p <= q everywhere up to rounding: p itself is the residual's limit
             residual = probs[i]
-        return accepted + [int(torch.multinomial(residual, 1, generator=generator)[0])]
+        return accepted + [int(draw(residual[None], generator)[0])]
     i = len(drafts)
     if not valid[i]:
         return accepted + [FAILED]
-    return accepted + [int(torch.multinomial(probs[i], 1, generator=generator)[0])]
+    return accepted + [int(draw(probs[i:i + 1], generator)[0])]

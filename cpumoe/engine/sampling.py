@@ -1,11 +1,11 @@
 """Token sampling: one next token per row of a batch of logits, each row with its own SamplingParams.
 
     logits [B, V] -> greedy rows: argmax
-                  -> the other rows: / temperature -> top-k -> top-p -> softmax -> multinomial (row's generator)
+                  -> the other rows: / temperature -> top-k -> top-p -> softmax -> draw (row's generator)
 
 Filtering is batched (one sort for all rows that filter); a row's masked distribution depends only on its own
 logits and parameters, so a seeded row draws the same token whatever else shares the batch. Rows with their own
-generator draw one multinomial each; rows without one share a single call on torch's default RNG.
+generator draw one at a time; rows without one draw together on torch's default RNG.
 """
 from __future__ import annotations
 
@@ -58,6 +58,21 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return x.softmax(dim=-1)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.LongTensor:
+    """One id per row of probs [R, V] (float32, finite, each row's sum > 0, not necessarily 1), by inverse CDF: the
+    first id whose cumulative probability exceeds u x the row's sum, u uniform in [0, 1) from `generator` (torch's
+    default RNG when None). A zero-probability id is never drawn: its cumulative sum is its predecessor's. As
+    torch.multinomial draws one sample (a float32 cumulative sum too), which took 13 ms for [16, 32768] rows here (a
+    tenth of a batch-16 decode step); this takes 0.3 ms."""
+    cdf = probs.cumsum(dim=-1)                                                   # [R, V]
+    u = torch.rand(probs.shape[0], 1, generator=generator) * cdf[:, -1:]
+    ids = torch.searchsorted(cdf, u, right=True).squeeze(1)                      # [R]
+    over = ids >= probs.shape[1]   # u x sum rounded up to the sum: the row's last id with any probability
+    if over.any():
+        ids[over] = probs.shape[1] - 1 - (probs[over].flip(-1) > 0).int().argmax(dim=-1)
+    return ids
+
+
 class Sampler:
     """Stateless; the engine keeps one generator per request (make_generator) and passes them in row order."""
 
@@ -77,24 +92,26 @@ class Sampler:
             # argmax lands on a NaN when the row holds one (torch's max propagates NaN), so the chosen logit alone
             # tells a NaN row: a scan of the vocabulary for NaN took 0.13 ms a decode step.
             return ids.masked_fill(torch.isnan(logits.gather(1, ids[:, None])).squeeze(1), FAILED)
-        nan_rows = torch.isnan(logits).any(dim=-1)           # [B]: no token is "the most likely" there
         out = torch.empty(B, dtype=torch.long)
         greedy_rows = [i for i in range(B) if greedy[i]]
         if greedy_rows:
-            out[greedy_rows] = logits[greedy_rows].argmax(dim=-1).masked_fill(nan_rows[greedy_rows], FAILED)
+            chosen = logits[greedy_rows]
+            nan_rows = torch.isnan(chosen).any(dim=-1)       # no token is "the most likely" there
+            out[greedy_rows] = chosen.argmax(dim=-1).masked_fill(nan_rows, FAILED)
 
         rows = [i for i in range(B) if not greedy[i]]
-        probs = probabilities(logits[rows], [params[i] for i in rows])               # [R, V]
+        probs = probabilities(logits if len(rows) == B else logits[rows], [params[i] for i in rows])  # [R, V]
         # A row whose logits hold NaN or are all -inf has no distribution: it gets FAILED (its request alone
-        # fails) instead of failing the multinomial draw of the whole batch.
-        valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)           # [R]
+        # fails) instead of failing the draw of the whole batch.
+        total = probs.sum(dim=-1)                                                      # [R]: NaN if any is
+        valid = (torch.isfinite(total) & (total > 0)).tolist()
         shared = [r for r, i in enumerate(rows) if generators[i] is None and valid[r]]
         if shared:
-            drawn = torch.multinomial(probs[shared], 1).squeeze(1)                    # [len(shared)]
+            drawn = draw(probs if len(shared) == len(rows) else probs[shared])           # [len(shared)]
             out[[rows[r] for r in shared]] = drawn
         for r, i in enumerate(rows):
             if not valid[r]:
                 out[i] = FAILED
             elif generators[i] is not None:
-                out[i] = torch.multinomial(probs[r], 1, generator=generators[i])[0]
+                out[i] = draw(probs[r:r + 1], generators[i])[0]
         return out

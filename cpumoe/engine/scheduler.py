@@ -67,6 +67,8 @@ class ScheduledBatch:
     num_new_tokens: list[int]              # per sequence: tokens computed this step, its drafts included
     drafts: list[list[int]] = field(default_factory=list)  # per sequence: the drafts among them (last)
     preempted: list[Sequence] = field(default_factory=list)
+    num_decodes: int = 0                   # sequences past their prompt (a decode, with its drafts); the rest prefill
+    num_decode_tokens: int = 0             # their tokens, drafts included
 
     def __post_init__(self) -> None:
         if not self.drafts:
@@ -76,6 +78,9 @@ class ScheduledBatch:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
         self.drafts.append(drafts or [])
+        if seq.num_computed_tokens >= seq.num_prompt_tokens:
+            self.num_decodes += 1
+            self.num_decode_tokens += num_new_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -19,7 +19,7 @@ import torch
 from cpumoe.engine.config import SpeculativeConfig
 from cpumoe.engine.kv_cache import BlockManager, KVCache
 from cpumoe.engine.runner import ModelRunner
-from cpumoe.engine.sampling import GREEDY_EPS, probabilities
+from cpumoe.engine.sampling import GREEDY_EPS, draw, probabilities
 from cpumoe.engine.scheduler import ScheduledBatch, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class DraftModelProposer:
                 for j, r in enumerate(sampled):
                     if not torch.isfinite(probs[j]).all() or probs[j].sum() <= 0:
                         continue  # no distribution: this draft ends (argmax kept, q left a point mass)
-                    ids[r] = torch.multinomial(probs[j], 1, generator=rows[r][0].generator)[0]
+                    ids[r] = draw(probs[j:j + 1], rows[r][0].generator)[0]
                     rows[r][3].append((step, probs[j]))
             for (seq, state, _, _), n, token in zip(rows, batch.num_new_tokens, ids.tolist()):
                 state.num_computed_tokens += n

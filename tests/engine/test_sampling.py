@@ -85,7 +85,7 @@ def test_distribution_matches_softmax(temperature):
 
 
 def test_distribution_default_rng_batched():
-    """Rows without a generator share one multinomial on torch's default RNG."""
+    """Rows without a generator draw together on torch's default RNG."""
     logits = torch.tensor([1.0, 0.5, 0.0, -1.0]).expand(N_DRAWS, 4).contiguous()
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -176,3 +176,20 @@ def test_greedy_batch_fails_exactly_its_nan_rows(vocab):
     logits[5, 1], logits[5, 2] = float("inf"), float("nan")
     out = sample(logits, [SamplingParams(temperature=0.0)] * 6)
     assert out.tolist() == [vocab // 3, FAILED, FAILED, FAILED, 1, FAILED]
+
+
+def test_draw_never_picks_a_zero_probability_id():
+    """Inverse CDF at its edges: u = 0 must not land on leading zeros, u x sum rounding up to the sum must land on
+    the last id with any probability (not past it, not on trailing zeros)."""
+    from cpumoe.engine.sampling import draw
+    probs = torch.tensor([[0.0, 0.0, 0.3, 0.0, 0.7, 0.0, 0.0]])
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        ids = draw(probs.expand(20000, 7).contiguous())
+    assert set(ids.tolist()) == {2, 4}
+    assert abs((ids == 4).float().mean().item() - 0.7) < 0.02
+    # u's extremes, forced: 0 gives the first id with probability, just under 1 the last
+    import unittest.mock as mock
+    for u, want in ((0.0, 2), (1.0 - 2 ** -24, 4), (1.0, 4)):
+        with mock.patch("torch.rand", lambda *a, **k: torch.full((a[0], a[1]), u)):
+            assert draw(probs)[0].item() == want, u

@@ -334,3 +334,13 @@ def test_finishing_twice_changes_nothing_more():
     free = list(s.block_manager.free_blocks)
     s.finish(a, "stop")
     assert list(s.block_manager.free_blocks) == free and ids(s.running) == ["b"] and b.block_table != []
+
+
+def test_a_batch_counts_its_decodes_apart_from_prompt_chunks():
+    s = scheduler(budget=8)
+    s.add(seq("a", 5))
+    step(s)                                   # a's whole prompt: a prefill, no decode
+    s.add(seq("b", 10))
+    batch = s.schedule()                      # a decodes; b's first 7 prompt tokens ride beside it
+    assert [(q.request_id, n) for q, n in zip(batch.seqs, batch.num_new_tokens)] == [("a", 1), ("b", 7)]
+    assert (batch.num_decodes, batch.num_decode_tokens, batch.num_tokens) == (1, 1, 8)
