@@ -34,8 +34,11 @@ def rows_so_far(path) -> int:
 @pytest.mark.slow
 def test_interrupted_sweep_resumes(tmp_path, capsys):
     interrupted = tmp_path / "interrupted.db"
+    # A shell's background job starts with SIGINT ignored, and Python then keeps it ignored: give the sweep the
+    # default disposition, so Ctrl-C reaches it however the tests were started.
     proc = subprocess.Popen([sys.executable, "-m", "cpumoe", *SWEEP, "--db", str(interrupted)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline and proc.poll() is None:
