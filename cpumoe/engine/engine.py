@@ -188,10 +188,9 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         if self.proposer is not None:
             self.propose()
-        batch = self.scheduler.schedule()
+        batch = self.last_batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
-        self.last_batch = batch
         tokens = self.runner.run(batch)
         return outputs + self.postprocess(batch, tokens)
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-import torch
-
+from cpumoe.bench.model import ModelCase, random_prompts
 from cpumoe.engine.api import SamplingParams
 from cpumoe.engine.engine import LLMEngine
 
@@ -57,9 +56,9 @@ class ThroughputResult:
     prefill_steps: StepGroup = field(default_factory=StepGroup)   # steps that carried a prompt chunk
 
 
-def random_prompts(vocab_size: int, load: Load) -> list[list[int]]:
-    g = torch.Generator().manual_seed(load.seed)
-    return torch.randint(0, vocab_size, (load.num_prompts, load.input_len), generator=g).tolist()
+def load_case(load: Load) -> ModelCase:
+    """The load as bench model's case: every prompt at once (what engine_config sizes the KV cache for)."""
+    return ModelCase(load.num_prompts, load.input_len, load.output_len)
 
 
 def _group(times: list[float], decodes: int, prefill_tokens: int) -> StepGroup:
@@ -73,8 +72,7 @@ def run_load(engine: LLMEngine, prompts: list[list[int]], load: Load, budget: in
     if engine.has_unfinished():
         raise RuntimeError("run_load needs an idle engine")
     engine.config.max_num_batched_tokens = budget   # the scheduler reads it each step
-    params = SamplingParams(max_tokens=load.output_len, temperature=load.temperature, ignore_eos=True,
-                            seed=None)
+    params = SamplingParams(max_tokens=load.output_len, temperature=load.temperature, ignore_eos=True)
     arrival: dict[str, float] = {}
     first: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -92,12 +90,12 @@ def run_load(engine: LLMEngine, prompts: list[list[int]], load: Load, budget: in
         t0 = time.perf_counter()
         outputs = engine.step()
         t1 = time.perf_counter()
-        batch = engine.last_batch
-        if batch is not None and batch.num_tokens > batch.num_decode_tokens:
+        batch = engine.last_batch   # this step's (empty when it scheduled nothing)
+        if batch.num_tokens > batch.num_decode_tokens:
             prefill_times.append(t1 - t0)
             riding += batch.num_decodes
             prefill_tokens += batch.num_tokens - batch.num_decode_tokens
-        elif batch is not None:
+        elif batch.seqs:
             decode_times.append(t1 - t0)
             decode_only_decodes += batch.num_decodes
         for out in outputs:
@@ -123,7 +121,7 @@ def run_load(engine: LLMEngine, prompts: list[list[int]], load: Load, budget: in
 def run_throughput_bench(engine: LLMEngine, load: Load, budgets: list[int], repeats: int = 1,
                          on_result=None) -> list[ThroughputResult]:
     """Every budget once per repetition, in turn, on the same prompts."""
-    prompts = random_prompts(engine.vocab_size, load)
+    prompts = random_prompts(engine, load_case(load), load.seed)
     results = []
     for repeat in range(repeats):
         for budget in budgets:
@@ -132,10 +130,6 @@ def run_throughput_bench(engine: LLMEngine, load: Load, budgets: list[int], repe
             if on_result is not None:
                 on_result(result)
     return results
-
-
-def as_dict(result: ThroughputResult) -> dict:
-    return asdict(result)
 
 
 def render_throughput_report(results: list[ThroughputResult], load: Load, title: str):

@@ -39,7 +39,8 @@ def _cmd_throughput(args) -> int:
 
     import torch
 
-    from cpumoe.bench.throughput import Load, as_dict, render_throughput_report, run_throughput_bench
+    from cpumoe.bench.model import engine_config
+    from cpumoe.bench.throughput import Load, load_case, render_throughput_report, run_throughput_bench
     from cpumoe.cli_args import stdout_console
     from cpumoe.engine.config import EngineConfig
     from cpumoe.engine.engine import LLMEngine
@@ -48,13 +49,10 @@ def _cmd_throughput(args) -> int:
     if args.temperature < 0:
         sys.exit(f"{PROG}: error: --temperature must be >= 0")
     load = Load(args.num_prompts, args.max_concurrency, args.input_len, args.output_len, args.temperature, args.seed)
-    defaults = EngineConfig()
-    budgets = args.max_num_batched_tokens or [defaults.max_num_batched_tokens]
-    # KV room for every request in flight, whole; prefix caching off so no run reuses another's prompts
-    tokens = load.max_concurrency * (load.input_len + load.output_len)
-    config = EngineConfig(enable_prefix_caching=False, max_num_seqs=load.max_concurrency,
-                          num_blocks=-(-tokens // defaults.block_size) + load.max_concurrency,
-                          max_model_len=load.input_len + load.output_len)
+    budgets = args.max_num_batched_tokens or [EngineConfig().max_num_batched_tokens]
+    # KV room for every request, whole, and no prefix caching (no run reuses another's prompts); at most
+    # max_concurrency are in flight, which run_load keeps to
+    config = engine_config([load_case(load)])
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16, None: None}[args.dtype]
     try:
         engine = LLMEngine(args.model, dtype=dtype, config=config)  # its tokenizer too: serving detokenizes
@@ -70,5 +68,5 @@ def _cmd_throughput(args) -> int:
     console.print(render_throughput_report(results, load, Path(args.model).name))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": str(args.model), "load": dataclasses.asdict(load),
-                                               "results": [as_dict(r) for r in results]}, indent=1))
+                                               "results": [dataclasses.asdict(r) for r in results]}, indent=1))
     return 0
