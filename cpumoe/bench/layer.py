@@ -18,13 +18,19 @@ prints the bound from bytes (bf16 bytes / the row's bytes), which a weight strea
 
 Side by side: this machine is shared and its memory bandwidth drifts by tens of percent over minutes, so the
 cases are measured repetition by repetition in turn, and each repetition starts with a streaming read of a
-1 GiB buffer (the bandwidth probe) that is also timed: "% bandwidth" compares a case with the probe's median
-over the same repetitions. The probe also evicts the caches, and repetitions rotate over INPUT_POOL inputs with
-different routing, so no call finds its experts in the last-level cache (a model runs other layers between two
-calls of this one). For compute-bound cases (M >= MM_FROM_TOKENS) a torch.mm of mm_size^3 joins each
-repetition and "% mm peak" compares with its median. Each case packs its own copy of the weights; when all the
-copies would not fit in memory, the formats run one after the other, and then the cases one by one, each
-group timing the bf16 reference beside it so the ratios stay side by side.
+1 GiB buffer (the bandwidth probe) that is also timed: "% bandwidth" compares a case with it (below). The
+probe also evicts the caches, and repetitions rotate over INPUT_POOL inputs with different routing, so no call
+finds its experts in the last-level cache (a model runs other layers between two calls of this one). For
+compute-bound cases (M >= MM_FROM_TOKENS) a torch.mm of mm_size^3 joins each repetition and "% mm peak"
+compares with its median. The cases take turns at coming first after the probe (and
+mm): the first call after that 1 GiB read was 0.2-0.4 ms slower here whatever its size (after a layer's
+stream, 0.1), a quarter of a quantized decode call, and in a fixed order the same case paid it every time.
+Ratios are taken pair by pair, as `bench model` takes them: "% bw" is the median over the repetitions of each
+call's GB/s over the probe of its own repetition, and "vs bf16" the median of the ratios of the reference's call
+and the case's in each repetition, each with its interquartile range, so a drift of the machine between
+repetitions moves neither. Each case packs its own copy of the weights; when all the copies would not fit in
+memory, the formats run one after the other, and then the cases one by one, each group timing the bf16 reference
+beside it so the ratios stay side by side.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from rich.console import Console
@@ -185,6 +191,9 @@ class LayerResult:
     bytes_bound_vs_bf16: float | None = None  # decode: bf16 bytes / this row's bytes, the most a stream allows
     ms_min: float | None = None               # the fastest and slowest of the timed calls
     ms_max: float | None = None
+    times_ms: list[float] = field(default_factory=list)   # each repetition's call, in repetition order
+    bandwidth_pct_range: tuple[float, float] | None = None    # interquartile range of the repetitions' % of probe
+    speedup_vs_bf16_range: tuple[float, float] | None = None  # interquartile range of the paired ratios
 
 
 @dataclass(slots=True)
@@ -331,7 +340,8 @@ def measure_tokens(layers: dict[Case, FusedMoE], pools: dict[torch.dtype, list[L
             bandwidth.append(probe.read_gbps())
             if mm is not None:
                 mm_seconds.append(_timed(mm))
-            for case, fn in call.items():
+            for case in turn_order(list(call), rep):
+                fn = call[case]
                 if rep < reps[case]:
                     inputs = pool_of[case][rep % INPUT_POOL]
                     times[case].append(_timed(lambda: fn(inputs)))
@@ -345,12 +355,30 @@ def measure_tokens(layers: dict[Case, FusedMoE], pools: dict[torch.dtype, list[L
         seconds = statistics.median(ts)
         gflops = pool[0].case.flops() / seconds / 1e9
         gbs = distinct * expert_bytes / seconds / 1e9
+        # each call's bytes (its repetition's input) per second over its own repetition's probe
+        pcts = [100 * pool[rep % INPUT_POOL].case.distinct_experts * expert_bytes / t / 1e9 / bandwidth[rep]
+                for rep, t in enumerate(ts)]
         results[case] = LayerResult(
             format=case.format.name, backend=case.backend, tokens=tokens, ms=seconds * 1e3, repetitions=len(ts),
             distinct_experts=round(distinct), expert_bytes=expert_bytes, gflops=gflops, gbs=gbs,
-            bandwidth_gbs=gbps, bandwidth_pct=100 * gbs / gbps, mm_gflops=mm_gflops,
-            peak_pct=100 * gflops / mm_gflops, ms_min=min(ts) * 1e3, ms_max=max(ts) * 1e3)
+            bandwidth_gbs=gbps, bandwidth_pct=statistics.median(pcts), mm_gflops=mm_gflops,
+            peak_pct=100 * gflops / mm_gflops, ms_min=min(ts) * 1e3, ms_max=max(ts) * 1e3,
+            times_ms=[t * 1e3 for t in ts], bandwidth_pct_range=interquartile(pcts))
     return results
+
+
+def turn_order(cases: list, rep: int) -> list:
+    """The order of the cases in repetition `rep`: each comes first after the probe in turn."""
+    k = rep % len(cases) if cases else 0
+    return cases[k:] + cases[:k]
+
+
+def interquartile(values: Sequence[float]) -> tuple[float, float]:
+    """The 25th and 75th percentiles (the extremes of fewer than four values)."""
+    if len(values) < 4:
+        return min(values), max(values)
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
 
 
 def _mm_call(machine: MachineInfo) -> Callable[[], object]:
@@ -361,12 +389,16 @@ def _mm_call(machine: MachineInfo) -> Callable[[], object]:
 
 
 def compare_with_reference(results: dict[Case, LayerResult], reference: Case | None) -> None:
-    """speedup_vs_bf16 (and for decode bytes_bound_vs_bf16) from the reference timed in the same repetitions."""
+    """speedup_vs_bf16 (and for decode bytes_bound_vs_bf16) from the reference timed in the same repetitions: the
+    median of the repetitions' ratios with their interquartile range (the ratio of the medians for results
+    without per-repetition times)."""
     ref = results.get(reference) if reference is not None else None
     if ref is None:
         return
     for r in results.values():
-        r.speedup_vs_bf16 = ref.ms / r.ms
+        ratios = [a / b for a, b in zip(ref.times_ms, r.times_ms)]
+        r.speedup_vs_bf16 = statistics.median(ratios) if ratios else ref.ms / r.ms
+        r.speedup_vs_bf16_range = interquartile(ratios) if ratios else None
         if r.tokens <= DECODE_MAX_TOKENS:
             r.bytes_bound_vs_bf16 = ref.expert_bytes / r.expert_bytes
 
@@ -611,7 +643,7 @@ def layer_table(report: dict) -> Table:
             backend = f"[bold]{r['backend']}[/]" if r["backend"] == chosen.get(r["format"]) else r["backend"]
             table.add_row(str(m) if i == 0 else "", str(r["distinct_experts"]) if i == 0 else "",
                           _short(r["format"]) if first_of_format else "", backend, f"{r['expert_bytes'] / 1e6:.2f}",
-                          f"{r['ms']:.3f}", f"{r['gflops']:.1f}", f"{r['gbs']:.1f}", f"{r['bandwidth_pct']:.0f}%",
+                          f"{r['ms']:.3f}", f"{r['gflops']:.1f}", f"{r['gbs']:.1f}", _percent(r),
                           f"{r['peak_pct']:.0f}%", _ratio(r["speedup_vs_naive"]), _versus_bf16(r),
                           _ratio(r["bytes_bound_vs_bf16"]), end_section=i == len(group) - 1)
     return table
@@ -625,11 +657,20 @@ def _ratio(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}x"
 
 
+def _percent(r: dict) -> str:
+    """% of the probe, with the repetitions' interquartile range where there is one."""
+    spread = r.get("bandwidth_pct_range")
+    return f"{r['bandwidth_pct']:.0f}%" + (f" ({spread[0]:.0f}-{spread[1]:.0f})" if spread else "")
+
+
 def _versus_bf16(r: dict) -> str:
     speedup, target = r["speedup_vs_bf16"], r["target_vs_bf16"]
     if speedup is None:
         return "" if target is None else f"- (>= {target:.1f}x)"
+    spread = r.get("speedup_vs_bf16_range")
+    shown = spread is not None and tuple(spread) != (speedup, speedup)   # not the reference's own 1.00-1.00
+    text = f"{speedup:.2f}x" + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if shown else "")
     if target is None:
-        return f"{speedup:.2f}x"
+        return text
     color = "green" if speedup >= target else "red"
-    return f"[{color}]{speedup:.2f}x[/] (>= {target:.1f}x)"
+    return f"[{color}]{text}[/] (>= {target:.1f}x)"

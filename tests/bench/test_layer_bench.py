@@ -9,7 +9,8 @@ import torch
 from cpumoe.bench.layer import (
     MEMORY_SHARE, Case, LayerCase, LayerResult, WeightFormat, add_speedups, case_nbytes, quantized_nbytes,
     weights_nbytes, compare_with_reference, experts_config, make_inputs,
-    parse_weight_format, plan_groups, reference_case, repetitions_for, select_backends, select_cases, target_for,
+    interquartile, parse_weight_format, plan_groups, reference_case, repetitions_for, select_backends, select_cases,
+    target_for, turn_order,
 )
 from cpumoe.bench.machine import OtherCpuUse
 from cpumoe.cli import main
@@ -104,6 +105,31 @@ def test_compare_with_reference():
     assert alone[int4].speedup_vs_bf16 is None
 
 
+def test_speedup_pairs_repetitions():
+    """With each repetition's times, the speed-up is the median of the repetitions' ratios, not the ratio of the
+    medians: the machine slowed down in repetition 2 for both, and that pair still says 3x."""
+    bf16, int4 = Case(WeightFormat(torch.bfloat16), "fast"), Case(parse_weight_format("int4"), "fast")
+    results = {bf16: _result("bfloat16", "fast", 1, 3.0), int4: _result("int4_w4a16", "fast", 1, 1.5)}
+    results[bf16].times_ms = [3.0, 3.0, 6.0, 3.0]
+    results[int4].times_ms = [1.5, 1.0, 2.0, 1.5, 1.2]   # one repetition more than the reference: unpaired
+    compare_with_reference(results, bf16)
+    assert results[int4].speedup_vs_bf16 == 2.5            # ratios 2, 3, 3, 2; the medians' ratio says 2
+    assert results[int4].speedup_vs_bf16_range == (2.0, 3.0)
+    assert results[bf16].speedup_vs_bf16 == 1.0 and results[bf16].speedup_vs_bf16_range == (1.0, 1.0)
+
+
+def test_turn_order():
+    """Each case comes first after the probe in turn."""
+    assert [turn_order(["a", "b", "c"], rep) for rep in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert turn_order([], 3) == []
+
+
+def test_interquartile():
+    assert interquartile([5.0, 1.0, 3.0]) == (1.0, 5.0)          # fewer than four: the extremes
+    assert interquartile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]) == (2.0, 6.0)
+
+
 @pytest.mark.parametrize("name, expected", [
     ("bf16", WeightFormat(torch.bfloat16)), ("float32", WeightFormat(torch.float32)),
     ("int8", WeightFormat(torch.bfloat16, QuantFormat.INT8_W8A8, 0)),           # per channel
@@ -174,6 +200,9 @@ def test_tiny_bench_json(tmp_path, capsys):
         assert r["bandwidth_gbs"] > 0 and r["mm_gflops"] > 0, r
         assert r["speedup_vs_naive"] is not None and r["speedup_vs_naive"] > 0, r
         assert 1 <= r["distinct_experts"] <= min(4, 2 * r["tokens"]), r
+        assert len(r["times_ms"]) == r["repetitions"] and r["ms_min"] <= r["ms"] <= r["ms_max"], r
+        low, high = r["bandwidth_pct_range"]
+        assert 0 < low <= r["bandwidth_pct"] <= high, r
     assert report["machine"]["bandwidth_gbs"] > 0 and report["machine"]["mm_gflops"] > 0
     [fmt] = report["layer"]["formats"]
     assert report["layer"]["hidden"] == 64 and fmt["format"] == "bfloat16" and fmt["backends"] == expected
@@ -215,6 +244,8 @@ def test_tiny_bench_formats(tmp_path, capsys):
                 r = rows.pop((f["format"], backend, m))
                 assert r["ms"] > 0 and r["gbs"] > 0 and r["expert_bytes"] > 0 and r["repetitions"] >= 1, r
                 assert r["speedup_vs_bf16"] > 0 and r["bytes_bound_vs_bf16"] > 0, r   # M <= 8: decode
+                low, high = r["speedup_vs_bf16_range"]
+                assert 0 < low <= r["speedup_vs_bf16"] <= high, r
                 assert r["speedup_vs_naive"] > 0, r
                 quantized = f["format"] != "bfloat16"
                 assert (r["target_vs_bf16"] is not None) == quantized, r
