@@ -38,6 +38,7 @@ class AsyncEngine:
         self.on_token: list[TokenHook] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._commands: list[tuple] = []
+        self._outbox: list[tuple] = []   # (loop, queue, item) the engine thread hands over at its next _flush
         self._cv = threading.Condition()
         self._stopping = False
         self._drained: str | None = None   # drain()'s message: new requests are refused with it
@@ -134,14 +135,30 @@ class AsyncEngine:
             self._cv.notify()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """Queues item for its request's consumer; _flush hands them over."""
         target = self._queues.get(request_id)
         if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            self._outbox.append(target + (item,))
+
+    def _flush(self) -> None:
+        """One call_soon_threadsafe per event loop for all that a pass of the engine thread delivers, not one per
+        request: each call writes to the loop's wake-up pipe and queues a callback of its own."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for loop, queue, item in outbox:
+            by_loop.setdefault(loop, []).append((queue, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:   # that loop is closed: nobody is waiting there any more
+                pass
 
     def _loop(self) -> None:
         engine = self.engine
         while True:
+            self._flush()
             with self._cv:
                 while not (self._commands or self._stopping or engine.has_unfinished()):
                     self._cv.wait()
@@ -184,3 +201,8 @@ class AsyncEngine:
                             log.exception("on_token hook failed")
                 # a request that failed alone (its sampling or detokenization) ends as a failed step would
                 self._deliver(out.request_id, RuntimeError(out.error) if out.error else out)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

@@ -35,9 +35,9 @@ from cpumoe.engine.api import EngineShutdown, RequestOutput, SamplingParams
 from cpumoe.server.limits import MAX_REQUEST_BYTES
 from cpumoe.server.metrics import ServerMetrics
 from cpumoe.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                    ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
-                                    CompletionRequest, CompletionResponse, Delta, ErrorInfo, ErrorResponse,
-                                    ModelCard, ModelList, SamplingRequest, Usage)
+                                    ChatCompletionRequest, ChatCompletionResponse, ChatEvents, CompletionChoice,
+                                    CompletionEvents, CompletionRequest, CompletionResponse, Delta, ErrorInfo,
+                                    ErrorResponse, ModelCard, ModelList, SamplingRequest, Usage)
 
 log = logging.getLogger("cpumoe.server")
 
@@ -236,6 +236,8 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
             return CompletionResponse(id=request_id, created=created, model=model_name, choices=[choice])
 
         if body.stream:
+            frames = CompletionEvents(request_id, created, model_name)
+
             async def events() -> AsyncIterator[str]:
                 n_generated = 0
                 async with aclosing(outputs(request_id, prompt_ids, params)) as outs:
@@ -244,8 +246,8 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
                         # a chunk per step that made tokens, with empty text while they end inside a character
                         # (as vLLM streams): a client times every step, not just those that completed a character
                         if out.new_text or out.finished or out.new_token_ids:
-                            yield _sse(chunk(out.new_text, out.finish_reason if out.finished else None,
-                                             out.new_token_ids))
+                            yield frames.event(out.new_text, out.finish_reason if out.finished else None,
+                                               out.new_token_ids if no_tokenizer else None)
                 if body.include_usage():
                     final = chunk("", None)
                     final.choices, final.usage = [], _usage(len(prompt_ids), n_generated)
@@ -269,6 +271,8 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
                 choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
                 return ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices)
 
+            frames = ChatEvents(request_id, created, model_name)
+
             async def events() -> AsyncIterator[str]:
                 yield _sse(chunk(Delta(role="assistant", content="")))
                 n_generated = 0
@@ -276,9 +280,9 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
                     async for out in outs:
                         n_generated = out.completion_tokens or n_generated + len(out.new_token_ids)
                         if out.new_text or (out.new_token_ids and not out.finished):   # as completions
-                            yield _sse(chunk(Delta(content=out.new_text)))
+                            yield frames.event(out.new_text)
                         if out.finished:
-                            yield _sse(chunk(Delta(), out.finish_reason or "stop"))
+                            yield frames.event(None, out.finish_reason or "stop")
                 if body.include_usage():
                     final = chunk(None)
                     final.usage = _usage(len(prompt_ids), n_generated)

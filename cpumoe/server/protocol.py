@@ -9,6 +9,7 @@ are ignored, as OpenAI clients send extras freely. `top_k` and `ignore_eos` are 
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -318,3 +319,39 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+# ---- streamed events --------------------------------------------------------------------------------------------
+
+def _json(value: Any) -> str:
+    """JSON as pydantic's model_dump_json writes it: compact, non-ASCII characters as they are."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class CompletionEvents:
+    """The SSE events of one streamed completion, each the `data: ...` line of a CompletionResponse chunk with one
+    choice, byte for byte as its model_dump_json (tests check the two agree). The part before the text is rendered
+    once a response: a token's event is then two small json.dumps and a join. Building and serializing the models
+    took the event loop about a third of its time a streamed token (README, "Serving under load")."""
+
+    def __init__(self, request_id: str, created: int, model: str) -> None:
+        self._head = (f'data: {{"id":{_json(request_id)},"object":"text_completion","created":{int(created)},'
+                      f'"model":{_json(model)},"choices":[{{"index":0,"text":')
+
+    def event(self, text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> str:
+        ids = "" if token_ids is None else f',"token_ids":{_json(token_ids)}'
+        return (f'{self._head}{_json(text)},"logprobs":null,"finish_reason":{_json(finish_reason)}{ids}}}],'
+                '"usage":null}\n\n')
+
+
+class ChatEvents:
+    """The same for a streamed chat completion: the `data: ...` line of a ChatCompletionChunk with one choice whose
+    delta carries content only (the role goes out once, first, as a model)."""
+
+    def __init__(self, request_id: str, created: int, model: str) -> None:
+        self._head = (f'data: {{"id":{_json(request_id)},"object":"chat.completion.chunk","created":{int(created)},'
+                      f'"model":{_json(model)},"choices":[{{"index":0,"delta":')
+
+    def event(self, content: str | None, finish_reason: str | None = None) -> str:
+        delta = "{}" if content is None else f'{{"content":{_json(content)}}}'
+        return f'{self._head}{delta},"logprobs":null,"finish_reason":{_json(finish_reason)}}}],"usage":null}}\n\n'
