@@ -3,6 +3,7 @@
 # what the client will not send (malformed JSON, missing fields, no key).
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -612,3 +613,19 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit():
     soft = raise_open_file_limit()
     now, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert soft == now and (now == hard or hard == resource.RLIM_INFINITY)
+
+
+def test_serve_starts_with_the_start_up_heap_frozen(engine, monkeypatch):
+    """`serve` moves what loading made out of the garbage collector's full passes before it takes requests."""
+    import gc
+
+    from cpumoe.server import run
+    seen = []
+    monkeypatch.setattr(run.DrainingServer, "run", lambda self, sockets=None: seen.append(gc.get_freeze_count()))
+    try:
+        gc.unfreeze()
+        with socket.socket() as sock:
+            run.serve(engine, port=0, model_name=MODEL, sock=sock)
+    finally:
+        gc.unfreeze()
+    assert seen and seen[0] > 1000

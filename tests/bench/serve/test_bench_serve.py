@@ -251,3 +251,25 @@ def test_bad_inputs_exit_with_a_clear_error(fake, tmp_path, tokenizer_dir, case)
     with pytest.raises(SystemExit) as info:
         main(["bench", "serve", "--no-db", "--no-ceiling", *argv])
     assert str(info.value.code).startswith("cpumoe bench serve: error: ") and expected in str(info.value.code)
+
+
+def test_the_heap_is_frozen_while_the_load_runs(fake, tmp_path, tokenizer_dir, monkeypatch):
+    """The garbage collector's full passes skip what existed before the load (they would pause the client's clock),
+    and the heap is as before once it is over."""
+    import gc
+
+    from cpumoe.bench.serve import client
+    server, url = fake
+    server.ttft_s, server.step_s = 0.05, 0.01
+    frozen_during = []
+    stream_request = client.stream_request
+
+    async def recording(*args):
+        frozen_during.append(gc.get_freeze_count())
+        await stream_request(*args)
+    monkeypatch.setattr(client, "stream_request", recording)
+    gc.unfreeze()
+    code, result = _bench(url, tmp_path, tokenizer=tokenizer_dir)
+    assert code == 0 and result["completed"] == 4
+    assert len(frozen_during) == 4 and min(frozen_during) > 1000
+    assert gc.get_freeze_count() == 0
