@@ -47,6 +47,7 @@ from cpumoe.torch_gemm import gemm_dtype
 
 MM_SIZE = 4096
 REPEATS = 3            # round-robin repetitions of every case
+FLOAT_FORMATS = ("bf16", "fp16", "fp32")   # weights the mm probe's rate applies to (weights_format's names)
 PREFILL_PROMPTS = 4    # prefills per case and repetition that every checkpoint runs in turn (bench of several)
 QUICK_MM_SIZE = 1024
 
@@ -101,6 +102,21 @@ class WeightBytes:
         """experts_per_layer: distinct experts a step's tokens chose (measured); None: uniform routing's."""
         per_layer = self.distinct_experts(batch) if experts_per_layer is None else experts_per_layer
         return self.dense + self.moe_layers * per_layer * self.expert + batch * mean_context * self.kv_per_token
+
+    def decode_step_floor_s(self, batch: int, mean_context: float, experts_per_layer: float | None,
+                            bandwidth_gbs: float, gemm_gflops: float | None) -> float:
+        """The least time a decode step can take, in seconds. The dense weights and then the experts run one after
+        the other, each for the longer of its bytes at the read bandwidth and its FLOPs (2 a weight a token) at
+        the GEMM rate; the KV cache is read at the bandwidth. Attention's arithmetic is not counted, so this
+        stays a bound. gemm_gflops None: bytes only (what decode_step_bytes gives, as time)."""
+        bw = bandwidth_gbs * 1e9
+        per_layer = self.distinct_experts(batch) if experts_per_layer is None else experts_per_layer
+        dense_s, experts_s = self.dense / bw, self.moe_layers * per_layer * self.expert / bw
+        if gemm_gflops is not None:
+            rate = gemm_gflops * 1e9
+            dense_s = max(dense_s, 2.0 * batch * self.dense_elems / rate)
+            experts_s = max(experts_s, 2.0 * batch * self.moe_layers * self.top_k * self.expert_elems / rate)
+        return dense_s + experts_s + batch * mean_context * self.kv_per_token / bw
 
     def active_weights(self) -> int:
         """Weights one token multiplies: dense ones and k experts per MoE layer (in elements)."""
@@ -366,7 +382,8 @@ def run_model_bench(model_path, cases: Sequence[ModelCase], *, dtype: torch.dtyp
                 load_peak_rss_gb=load_rss["fused"], load_peak_rss_gb_by_engine=load_rss,
                 checkpoint_gb=Checkpoint(model_path).weights_bytes / 1e9,
                 kv_cache_gb=config.num_blocks * config.block_size * weights.kv_per_token / 1e9,
-                results=[asdict(r) for r in results], batch_scaling=batch_scaling(results, weights))
+                results=[asdict(r) for r in results],
+                batch_scaling=batch_scaling(results, weights, count_compute=fmt in FLOAT_FORMATS))
 
 
 def time_prefill(engine: LLMEngine, prompts: list[list[int]]) -> float:
@@ -570,11 +587,14 @@ def render_formats_report(report: dict, console: Console) -> None:
     console.print(comparison)
 
 
-def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes) -> list[dict]:
+def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes, *, count_compute: bool = True) -> list[dict]:
     """Decode tokens/s at batch B over batch 1 (same backend, input and output lengths), beside the most a weight
     stream allows: B x bytes(step of 1) / bytes(step of B), the batch-B step reading the distinct experts its
     tokens chose (measured; and, for reference, uniform routing's expectation): it reads more experts, so it
-    cannot gain B-fold."""
+    cannot gain B-fold. And beside the most that the bytes and the GEMMs' FLOPs allow together
+    (WeightBytes.decode_step_floor_s, at the batch-B case's measured bandwidth and GEMM rate): at 16 rows a
+    projection may take longer to compute than to read. count_compute: False where the probe's GEMM rate is not
+    the weights' (int8 dot products do twice a bf16 GEMM's work), leaving that bound at the bytes'."""
     single = {(r.backend, r.input_len, r.output_len): r for r in results if r.batch == 1}
     rows = []
     for r in results:
@@ -586,10 +606,14 @@ def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes) -> list[
         bound = r.batch * single_bytes / weights.decode_step_bytes(r.batch, context, r.decode_experts_per_layer)
         uniform = r.batch * weights.decode_step_bytes(1, context) / weights.decode_step_bytes(r.batch, context)
         speedup = r.decode_tok_s / base.decode_tok_s
+        rate = r.mm_gflops if count_compute else None
+        floor = r.batch * weights.decode_step_floor_s(1, context, base.decode_experts_per_layer, r.bandwidth_gbs, rate) \
+            / weights.decode_step_floor_s(r.batch, context, r.decode_experts_per_layer, r.bandwidth_gbs, rate)
         rows.append(dict(backend=r.backend, batch=r.batch, input_len=r.input_len, output_len=r.output_len,
                          experts_per_layer=r.decode_experts_per_layer, decode_speedup=speedup,
                          bandwidth_bound_speedup=bound, uniform_routing_bound=uniform,
-                         pct_of_bound=100 * speedup / bound))
+                         pct_of_bound=100 * speedup / bound, roofline_bound_speedup=floor,
+                         pct_of_roofline=100 * speedup / floor))
     return rows
 
 
@@ -620,14 +644,17 @@ def render_model_report(report: dict, console: Console) -> None:
                   f"({report['load_peak_rss_gb'] / ckpt:.2f}x checkpoint); serving {serving:.2f} GB "
                   f"({(serving - kv) / ckpt:.2f}x checkpoint + KV cache {kv:.2f} GB)")
     if report.get("batch_scaling"):
-        scaling = Table(title="decode batch scaling (against batch 1; bound: the weight bytes a step reads)",
-                        title_justify="left")
+        scaling = Table(title="decode batch scaling (against batch 1; bound: the weight bytes a step reads; "
+                              "bytes + GEMMs: each GEMM at the longer of its bytes at the read probe and its FLOPs at "
+                              "the mm probe)", title_justify="left")
         for name in ("batch", "in", "out", "experts", "experts/layer", "decode speedup", "bandwidth bound",
-                     "% of bound", "bound (uniform routing)"):
+                     "% of bound", "bound (uniform routing)", "bytes + GEMMs bound", "% of it"):
             scaling.add_column(name, justify="right", no_wrap=True)
         for s in report["batch_scaling"]:
+            floor = s.get("roofline_bound_speedup")   # absent from reports written before it was
             scaling.add_row(str(s["batch"]), str(s["input_len"]), str(s["output_len"]), s["backend"],
                             f"{s['experts_per_layer']:.1f}", f"{s['decode_speedup']:.2f}x",
                             f"{s['bandwidth_bound_speedup']:.2f}x", f"{s['pct_of_bound']:.0f}%",
-                            f"{s['uniform_routing_bound']:.2f}x")
+                            f"{s['uniform_routing_bound']:.2f}x", "" if floor is None else f"{floor:.2f}x",
+                            "" if floor is None else f"{s['pct_of_roofline']:.0f}%")
         console.print(scaling)

@@ -5,7 +5,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from cpumoe.bench.model import ModelCase, ModelResult, WeightBytes, engine_config, format_comparison
+from cpumoe.bench.model import (ModelCase, ModelResult, WeightBytes, batch_scaling, engine_config,
+                               format_comparison)
 from cpumoe.cli import main
 from cpumoe.models import ARCHITECTURES, load_model, model_presets
 from cpumoe.models.blocks import MoEBlock
@@ -39,6 +40,8 @@ def test_bench_model_json(tmp_path, capsys):
     assert [(s["batch"], s["backend"] == "naive") for s in scaling] == [(3, False), (3, True)]
     for s in scaling:
         assert s["decode_speedup"] > 0 and 1 < s["bandwidth_bound_speedup"] < 3, s
+        # counting the GEMMs' FLOPs too can only lower the bound (float weights: the mm probe's rate applies)
+        assert 0 < s["roofline_bound_speedup"] <= s["bandwidth_bound_speedup"] * (1 + 1e-9), s
     # counted routing: one token picks exactly top_k = 2 experts per layer; three pick 2 to 4 of the 4
     assert [r["decode_experts_per_layer"] for r in results if r["batch"] == 1] == [2.0, 2.0]
     assert all(2 <= r["decode_experts_per_layer"] <= 4 for r in results if r["batch"] == 3)
@@ -154,3 +157,40 @@ def test_make_model_refuses_a_model_without_moe_layers(tmp_path):
     """DeepSeek-V3's tiny config has one dense layer first: a one-layer checkpoint of it would have no experts."""
     with pytest.raises(ValueError, match="deepseek-v3 with 1 layer.* has no MoE layer"):
         make_checkpoint("deepseek-v3", tmp_path / "ckpt", layers=1, vocab=400, overrides=tiny_overrides("deepseek-v3"))
+
+
+def _weights(**kw) -> WeightBytes:
+    base = dict(dense_elems=100_000_000, expert_elems=5_000_000, dense=200_000_000, expert=10_000_000, moe_layers=4,
+                experts=128, top_k=8, kv_per_token=1000)
+    return WeightBytes(**{**base, **kw})
+
+
+def test_decode_step_floor_is_bytes_or_flops_whichever_is_longer_per_gemm():
+    w = _weights()
+    # bytes only: the step's bytes at the bandwidth
+    assert w.decode_step_floor_s(4, 100, 20.0, 10.0, None) == pytest.approx(w.decode_step_bytes(4, 100, 20.0) / 10e9)
+    # 1 token at 100 GFLOP/s: 0.2 GFLOP of dense GEMMs take 2 ms, under their 20 ms of bytes; the same for experts
+    assert w.decode_step_floor_s(1, 0, 8.0, 10.0, 100.0) == pytest.approx(w.decode_step_floor_s(1, 0, 8.0, 10.0, None))
+    # 16 tokens: the dense GEMMs' 3.2 GFLOP take 32 ms, over their 20 ms of bytes; the experts' 16 x 4 x 8 x 10 MFLOP
+    # = 5.12 GFLOP take 51.2 ms, under their 80 x 4 x 10 MB = 320 ms of bytes
+    assert w.decode_step_floor_s(16, 0, 80.0, 10.0, 100.0) == pytest.approx(0.032 + 0.32)
+    # at 10 GFLOP/s the experts are compute-bound too: 512 ms
+    assert w.decode_step_floor_s(16, 0, 80.0, 10.0, 10.0) == pytest.approx(0.32 + 0.512)
+
+
+def test_batch_scaling_gives_the_bound_of_bytes_and_gemms_beside_the_bytes_one():
+    w = _weights()
+    common = dict(backend="x", input_len=100, output_len=20, ttft_ms=1.0, itl_ms=1.0, e2e_s=1.0, throughput_tok_s=1.0,
+                  decode_gbs=1.0, decode_bandwidth_pct=1.0, prefill_gflops=1.0, prefill_mm_pct=1.0, peak_rss_gb=1.0,
+                  bandwidth_gbs=10.0, mm_gflops=100.0)
+    one = ModelResult(batch=1, decode_tok_s=10.0, decode_experts_per_layer=8.0, **common)
+    sixteen = ModelResult(batch=16, decode_tok_s=20.0, decode_experts_per_layer=80.0, **common)
+    (row,) = batch_scaling([one, sixteen], w)
+    assert row["roofline_bound_speedup"] < row["bandwidth_bound_speedup"]   # compute-bound at 16 rows here
+    context = 110
+    expected = 16 * w.decode_step_floor_s(1, context, 8.0, 10.0, 100.0) / w.decode_step_floor_s(16, context, 80.0, 10.0,
+                                                                                                 100.0)
+    assert row["roofline_bound_speedup"] == pytest.approx(expected)
+    assert row["pct_of_roofline"] == pytest.approx(100 * 2.0 / expected)
+    (bytes_only,) = batch_scaling([one, sixteen], w, count_compute=False)   # quantized weights: bytes only
+    assert bytes_only["roofline_bound_speedup"] == pytest.approx(bytes_only["bandwidth_bound_speedup"])
