@@ -236,7 +236,7 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
             return CompletionResponse(id=request_id, created=created, model=model_name, choices=[choice])
 
         if body.stream:
-            frames = CompletionEvents(request_id, created, model_name)
+            token_events = CompletionEvents(request_id, created, model_name)
 
             async def events() -> AsyncIterator[str]:
                 n_generated = 0
@@ -246,7 +246,7 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
                         # a chunk per step that made tokens, with empty text while they end inside a character
                         # (as vLLM streams): a client times every step, not just those that completed a character
                         if out.new_text or out.finished or out.new_token_ids:
-                            yield frames.event(out.new_text, out.finish_reason if out.finished else None,
+                            yield token_events.event(out.new_text, out.finish_reason if out.finished else None,
                                                out.new_token_ids if no_tokenizer else None)
                 if body.include_usage():
                     final = chunk("", None)
@@ -271,7 +271,7 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
                 choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
                 return ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices)
 
-            frames = ChatEvents(request_id, created, model_name)
+            token_events = ChatEvents(request_id, created, model_name)
 
             async def events() -> AsyncIterator[str]:
                 yield _sse(chunk(Delta(role="assistant", content="")))
@@ -280,9 +280,9 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
                     async for out in outs:
                         n_generated = out.completion_tokens or n_generated + len(out.new_token_ids)
                         if out.new_text or (out.new_token_ids and not out.finished):   # as completions
-                            yield frames.event(out.new_text)
+                            yield token_events.event(out.new_text)
                         if out.finished:
-                            yield frames.event(None, out.finish_reason or "stop")
+                            yield token_events.event(None, out.finish_reason or "stop")
                 if body.include_usage():
                     final = chunk(None)
                     final.usage = _usage(len(prompt_ids), n_generated)
