@@ -247,7 +247,7 @@ def create_app(engine: EngineClient, *, model_name: str, api_key: str | None = N
                         # (as vLLM streams): a client times every step, not just those that completed a character
                         if out.new_text or out.finished or out.new_token_ids:
                             yield token_events.event(out.new_text, out.finish_reason if out.finished else None,
-                                               out.new_token_ids if no_tokenizer else None)
+                                                     out.new_token_ids if no_tokenizer else None)
                 if body.include_usage():
                     final = chunk("", None)
                     final.choices, final.usage = [], _usage(len(prompt_ids), n_generated)
