@@ -612,8 +612,8 @@ def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes, *, count
         rows.append(dict(backend=r.backend, batch=r.batch, input_len=r.input_len, output_len=r.output_len,
                          experts_per_layer=r.decode_experts_per_layer, decode_speedup=speedup,
                          bandwidth_bound_speedup=bound, uniform_routing_bound=uniform,
-                         pct_of_bound=100 * speedup / bound, roofline_bound_speedup=floor,
-                         pct_of_roofline=100 * speedup / floor))
+                         pct_of_bound=100 * speedup / bound, bytes_and_gemms_bound_speedup=floor,
+                         pct_of_bytes_and_gemms_bound=100 * speedup / floor))
     return rows
 
 
@@ -651,10 +651,10 @@ def render_model_report(report: dict, console: Console) -> None:
                      "% of bound", "bound (uniform routing)", "bytes + GEMMs bound", "% of it"):
             scaling.add_column(name, justify="right", no_wrap=True)
         for s in report["batch_scaling"]:
-            floor = s.get("roofline_bound_speedup")   # absent from reports written before it was
+            floor = s.get("bytes_and_gemms_bound_speedup")   # absent from reports written before it was
             scaling.add_row(str(s["batch"]), str(s["input_len"]), str(s["output_len"]), s["backend"],
                             f"{s['experts_per_layer']:.1f}", f"{s['decode_speedup']:.2f}x",
                             f"{s['bandwidth_bound_speedup']:.2f}x", f"{s['pct_of_bound']:.0f}%",
                             f"{s['uniform_routing_bound']:.2f}x", "" if floor is None else f"{floor:.2f}x",
-                            "" if floor is None else f"{s['pct_of_roofline']:.0f}%")
+                            "" if floor is None else f"{s['pct_of_bytes_and_gemms_bound']:.0f}%")
         console.print(scaling)

@@ -41,7 +41,7 @@ def test_bench_model_json(tmp_path, capsys):
     for s in scaling:
         assert s["decode_speedup"] > 0 and 1 < s["bandwidth_bound_speedup"] < 3, s
         # counting the GEMMs' FLOPs too can only lower the bound (float weights: the mm probe's rate applies)
-        assert 0 < s["roofline_bound_speedup"] <= s["bandwidth_bound_speedup"] * (1 + 1e-9), s
+        assert 0 < s["bytes_and_gemms_bound_speedup"] <= s["bandwidth_bound_speedup"] * (1 + 1e-9), s
     # counted routing: one token picks exactly top_k = 2 experts per layer; three pick 2 to 4 of the 4
     assert [r["decode_experts_per_layer"] for r in results if r["batch"] == 1] == [2.0, 2.0]
     assert all(2 <= r["decode_experts_per_layer"] <= 4 for r in results if r["batch"] == 3)
@@ -186,11 +186,11 @@ def test_batch_scaling_gives_the_bound_of_bytes_and_gemms_beside_the_bytes_one()
     one = ModelResult(batch=1, decode_tok_s=10.0, decode_experts_per_layer=8.0, **common)
     sixteen = ModelResult(batch=16, decode_tok_s=20.0, decode_experts_per_layer=80.0, **common)
     (row,) = batch_scaling([one, sixteen], w)
-    assert row["roofline_bound_speedup"] < row["bandwidth_bound_speedup"]   # compute-bound at 16 rows here
+    assert row["bytes_and_gemms_bound_speedup"] < row["bandwidth_bound_speedup"]   # compute-bound at 16 rows here
     context = 110
     expected = 16 * w.decode_step_floor_s(1, context, 8.0, 10.0, 100.0) / w.decode_step_floor_s(16, context, 80.0, 10.0,
                                                                                                  100.0)
-    assert row["roofline_bound_speedup"] == pytest.approx(expected)
-    assert row["pct_of_roofline"] == pytest.approx(100 * 2.0 / expected)
+    assert row["bytes_and_gemms_bound_speedup"] == pytest.approx(expected)
+    assert row["pct_of_bytes_and_gemms_bound"] == pytest.approx(100 * 2.0 / expected)
     (bytes_only,) = batch_scaling([one, sixteen], w, count_compute=False)   # quantized weights: bytes only
-    assert bytes_only["roofline_bound_speedup"] == pytest.approx(bytes_only["bandwidth_bound_speedup"])
+    assert bytes_only["bytes_and_gemms_bound_speedup"] == pytest.approx(bytes_only["bandwidth_bound_speedup"])
