@@ -607,8 +607,9 @@ def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes, *, count
         uniform = r.batch * weights.decode_step_bytes(1, context) / weights.decode_step_bytes(r.batch, context)
         speedup = r.decode_tok_s / base.decode_tok_s
         rate = r.mm_gflops if count_compute else None
-        floor = r.batch * weights.decode_step_floor_s(1, context, base.decode_experts_per_layer, r.bandwidth_gbs, rate) \
-            / weights.decode_step_floor_s(r.batch, context, r.decode_experts_per_layer, r.bandwidth_gbs, rate)
+        floor_1 = weights.decode_step_floor_s(1, context, base.decode_experts_per_layer, r.bandwidth_gbs, rate)
+        floor = r.batch * floor_1 / weights.decode_step_floor_s(r.batch, context, r.decode_experts_per_layer,
+                                                                r.bandwidth_gbs, rate)
         rows.append(dict(backend=r.backend, batch=r.batch, input_len=r.input_len, output_len=r.output_len,
                          experts_per_layer=r.decode_experts_per_layer, decode_speedup=speedup,
                          bandwidth_bound_speedup=bound, uniform_routing_bound=uniform,
