@@ -144,6 +144,45 @@ def test_linear(backend, fmt, group, sym, dtype, M, K, N):
     assert_quant_close(layer(x), reference.quantized_linear(x, qw, layer.bias), dtype, f"{backend} {fmt} linear")
 
 
+@pytest.mark.parametrize("backend", native_backends_for("fp8_w8a16", torch.bfloat16))
+@pytest.mark.parametrize("flush_denormal", [False, True], ids=["subnormals-kept", "set-flush-denormal"])
+@pytest.mark.parametrize("M", [1, 2, 5])
+def test_fp8_subnormal_codes_and_activations_far_from_one(backend, flush_denormal, M):
+    """fp8 codes that are all e4m3 subnormals (their value's exponent field 0), against activation rows of 1e30,
+    1e-30 and a mix of both in one row: a tile that builds f32s from the codes' bits or scales the activations must
+    keep every term, whatever MXCSR's denormals-are-zero bit says (torch.set_flush_denormal sets it on the calling
+    thread, which runs the whole op with one thread). Compared with float64 maths relative to each row's largest
+    output, since the float32 reference itself would underflow here."""
+    from cpumoe.models.packed_linear import QuantizedLinear
+    from cpumoe.quant import dequantize
+    K, N = 256, 64
+    g = torch.Generator().manual_seed(3)
+    qw = quantize(torch.randn(N, K, generator=g), "fp8_w8a16", 128)
+    magnitude = torch.randint(1, 8, (N, K), generator=g, dtype=torch.uint8)
+    sign = torch.randint(0, 2, (N, K), generator=g, dtype=torch.uint8) << 7
+    qw.qweight = (magnitude | sign).view(torch.float8_e4m3fn)
+    layer = QuantizedLinear(qw, has_bias=False, dtype=torch.bfloat16, backend=backend)
+    rows = torch.randn(3, K, generator=g)
+    rows[0] *= 1e30
+    rows[1] *= 1e-30
+    rows[2, ::2] *= 1e-30  # tiny terms beside ordinary ones: they may round away, the ordinary ones may not
+    x = rows[torch.arange(M) % 3].to(torch.bfloat16)
+    expected = x.double() @ dequantize(qw).double().T
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.set_flush_denormal(flush_denormal) or not flush_denormal
+        y = layer(x)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+    for r in range(M):
+        scale = expected[r].abs().max().item()
+        assert scale > 0
+        err = (y[r].double() - expected[r]).abs().max().item() / scale
+        assert err < 1e-2, f"{backend} row {r} (x {x[r].abs().max().item():.3g}): error {err:.3g} of the largest output"
+
+
 @pytest.mark.parametrize("backend", native_backends_for("int8_w8a8", torch.float32))
 def test_activation_rounding_ties_and_nan(backend):
     """Each backend's build of the A8 row quantizer (quant_row.h): ties round to even as torch.round, a row's

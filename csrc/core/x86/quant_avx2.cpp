@@ -1,5 +1,5 @@
 // x86 AVX2: int8_w8a8, int4_w4a16 and mxfp4_w4a16 tiles with VPMADDUBSW (u8 x s8 -> int16 pairs) + VPMADDWD
-// (-> int32), fp8_w8a16 with F16C / FMA in f32. The A8 tiles take the activations signed (unsigned_activations = false), and neither lets VPMADDUBSW saturate:
+// (-> int32), fp8_w8a16 with FMA in f32. The A8 tiles take the activations signed (unsigned_activations = false), and neither lets VPMADDUBSW saturate:
 //   int8: the unsigned operand is |w| (<= 128) and the signed one sign(a, w) = a * sgn(w) (|a| <= 127), so a
 //         pair is at most 2 * 128 * 127 = 32512 < 32767; then VPMADDWD by 1 widens each pair to int32.
 //   int4: the codes (0..15) are the unsigned operand, so a pair is at most 2 * 15 * 127 = 3810 and eight of
@@ -13,6 +13,7 @@
 // compute-bound: 9-10 GB/s a thread even on weights that stay in L2). From 3 rows up an fp8 call widens its
 // block once and runs 6-row tiles over it: the layer at M = 2048 went from 0.41x bf16 to 0.98-1.22x.
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "../quant_row.h"
@@ -174,84 +175,141 @@ struct Int4Dot {
 
 // ---- fp8: FMA in f32 over weights widened in registers, activations widened once per call ----
 
-// The rows' bf16 activations as f32, in this thread's scratch.
+// The rows' bf16 activations as f32 times lift[r] (a power of two), in this thread's scratch.
 template <int R>
-void widen_rows(const GemmTile& t, const float* (&a)[R]) {
+void widen_rows(const GemmTile& t, const float (&lift)[R], const float* (&a)[R]) {
   thread_local std::vector<float> rows;
   if (rows.size() < size_t(R * t.k)) rows.resize(R * t.k);
   for (int r = 0; r < R; ++r) {
     float* dst = rows.data() + r * t.k;
     const uint16_t* src = static_cast<const uint16_t*>(t.a_rows[r]);
+    const __m256 by = _mm256_set1_ps(lift[r]);
     for (int64_t k = 0; k < t.k; k += 8)
-      _mm256_storeu_ps(dst + k, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                    _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k))), 16)));
+      _mm256_storeu_ps(dst + k, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                                                  reinterpret_cast<const __m128i*>(src + k))), 16)), by));
     a[r] = dst;
   }
 }
 
-// What an fp8 tile keeps over a call: its rows widened to f32, its outputs, and a k-chunk's pair sums held between
+// What an fp8 tile keeps over a call: its rows widened to f32, its outputs, and a k-chunk's sums held between
 // the chunk's parts (a chunk wider than kChunkK).
 template <int R>
 struct Fp8Rows {
   const float* a[R];
   float ys[R][64] = {};
   float held[R][8][2][8];
-  explicit Fp8Rows(const GemmTile& t) { widen_rows<R>(t, a); }
+  Fp8Rows(const GemmTile& t, const float (&lift)[R]) { widen_rows<R>(t, lift, a); }
 };
 
-// fp8: the byte in the high half of a 16-bit word, shifted right by 1 (arithmetic) with bit 14 cleared, is
-// s 0eeee mmm0000000: the fp16 of the e4m3 value x 2^-8, subnormals included, which VCVTPH2PS widens
-// exactly. 16 bytes are 8 columns x a k-pair: the f32 lanes keep k interleaved against an (a[k], a[k+1])
-// broadcast, and each chunk's end adds the pairs (VHADDPS) and rescales.
+// The power of two Fp8Dot scales a bf16 row by: the row's largest |a| goes to [2^62, 2^63) (2^127 at most), so
+// a product with a weight's f32 (the e4m3 value x 2^-120, at most 448 x 2^-120) stays below 2^-48, and only terms
+// below 2^-78 of the largest one could reach the f32 subnormals. Infinities and NaNs are scaled by 2^-66 and stay
+// what they are.
+inline int fp8_lift_exponent(const void* row, int64_t k) {
+  const uint16_t* src = static_cast<const uint16_t*>(row);
+  __m256i top = _mm256_setzero_si256();  // the largest |a| bits, lane by lane
+  for (int64_t i = 0; i < k; i += 16)
+    top = _mm256_max_epu16(top, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)),
+                                                  _mm256_set1_epi16(0x7FFF)));
+  alignas(32) uint16_t lanes[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), top);
+  const int biased = *std::max_element(lanes, lanes + 16) >> 7;  // 2^(biased - 127) <= max |a| < 2^(biased - 126)
+  return std::min(189 - biased, 127);
+}
+
+// The weights' f32s are subnormal for e4m3 subnormals, which MXCSR's denormals-are-zero bit would read as 0: clear it
+// for the tile and put it back.
+struct SubnormalsKept {
+  const unsigned csr = _mm_getcsr();
+  SubnormalsKept() {
+    if (csr & 0x40) _mm_setcsr(csr & ~0x40u);
+  }
+  ~SubnormalsKept() {
+    if (csr & 0x40) _mm_setcsr(csr);
+  }
+};
+
+// fp8 at 1-2 rows: no float conversion instruction. In a 16-bit lane, the byte in the high half shifted right by 4
+// (arithmetic) and masked to s 0000 eeee mmm 0000 is the bf16 of its e4m3 value x 2^-120 (subnormals included, as
+// bf16 subnormals), so a 32-bit mask takes the high lane's as an f32 and a shift of 16 the low lane's. The low byte
+// gets there as 16 x itself, signed, by VPMADDUBSW, which runs beside the shifts. A dword of the block is 2 columns
+// x a k-pair, so 32 bytes give 4 f32 vectors: 16 columns' even and odd halves at k and k + 1, which the even and
+// odd accumulators of the 16 take in turn: 3 shifts, a VPMADDUBSW, 4 ands and 4 FMAs where the fp16 route spends
+// 4 unpacks, 4 shifts, 4 ands and 4 VCVTPH2PS (one Zen 3 thread, weights in L1: 24-25 GB/s against 12; 20-21
+// with a fourth and fifth shift in place of the VPMADDUBSW). The activations are scaled up when widened (fp8_lift_exponent), so
+// products of small weights and activations stay clear of the f32 subnormals, and each chunk's end scales back.
 template <int R>
 struct Fp8Dot {
-  static constexpr int V = int4_vectors(R);  // 8-column groups per pass: 2V accumulators per row
+  static constexpr int W = R == 1 ? 4 : R == 2 ? 2 : 1;  // 16-column vectors per pass: 2W accumulators a row
   static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
+    const SubnormalsKept kept;
     const uint8_t* b = static_cast<const uint8_t*>(t.b);
     const float* scales = reinterpret_cast<const float*>(b + 64 * t.k);
-    const __m128i zero = _mm_setzero_si128(), clear14 = _mm_set1_epi16(int16_t(0xBFFF));
-    const __m256 unscale = _mm256_set1_ps(256.0f);
-    Fp8Rows<R> rows(t);
+    const __m256i mask = _mm256_set1_epi32(int32_t(0x87F00000u));
+    const __m256i times16 = _mm256_set1_epi16(0x0010);  // u8 16 at each low byte, 0 at each high one
+    float lift[R], unlift[R][2];  // 2^S; 2^(120 - S) in two factors, each a normal f32
+    for (int r = 0; r < R; ++r) {
+      const int S = fp8_lift_exponent(t.a_rows[r], t.k), half = (120 - S) / 2;
+      lift[r] = std::ldexp(1.0f, S);
+      unlift[r][0] = std::ldexp(1.0f, half);
+      unlift[r][1] = std::ldexp(1.0f, 120 - S - half);
+    }
+    Fp8Rows<R> rows(t, lift);
     for (int64_t k0 = 0, chunk = 0; k0 < t.k; k0 += t.group, ++chunk) {
       const int64_t k1 = std::min(k0 + t.group, t.k);
       prefetch_meta(scales + 64 * chunk, 256);
       for (int64_t c0 = k0; c0 < k1; c0 += kChunkK) {
         const int64_t c1 = std::min(c0 + kChunkK, k1);
-        for (int v0 = 0; v0 < 8; v0 += V) {
-          __m256 acc[R][V][2];
+        for (int w0 = 0; w0 < 4; w0 += W) {
+          __m256 even[R][W], odd[R][W];  // columns 16 (w0 + w) + 0, 2, .., 14 and 1, 3, .., 15 (by 128-bit lane)
           for (int r = 0; r < R; ++r)
-            for (int v = 0; v < V; ++v)
-              for (int h = 0; h < 2; ++h)
-                acc[r][v][h] = c0 == k0 ? _mm256_setzero_ps() : _mm256_loadu_ps(rows.held[r][v0 + v][h]);
+            for (int w = 0; w < W; ++w) {
+              even[r][w] = c0 == k0 ? _mm256_setzero_ps() : _mm256_loadu_ps(rows.held[r][w0 + w][0]);
+              odd[r][w] = c0 == k0 ? _mm256_setzero_ps() : _mm256_loadu_ps(rows.held[r][w0 + w][1]);
+            }
           for (int64_t p = c0 / 2; p < c1 / 2; ++p) {
-            const uint8_t* bp = b + 128 * p + 16 * v0;
-            if (v0 == 0) prefetch_row(b + 128 * p, 128);
-            __m256 x[R];
-            for (int r = 0; r < R; ++r)
-              x[r] = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(rows.a[r] + 2 * p)));
-            for (int v = 0; v < V; ++v) {
-              const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16 * v));
-              const __m256 lo = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, raw), 1), clear14));
-              const __m256 hi = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, raw), 1), clear14));
+            const uint8_t* bp = b + 128 * p + 32 * w0;
+            if (w0 == 0) prefetch_row(b + 128 * p, 128);
+            __m256 x0[R], x1[R];
+            for (int r = 0; r < R; ++r) {
+              x0[r] = _mm256_broadcast_ss(rows.a[r] + 2 * p);
+              x1[r] = _mm256_broadcast_ss(rows.a[r] + 2 * p + 1);
+            }
+            for (int w = 0; w < W; ++w) {
+              const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 32 * w));
+              const __m256i high = _mm256_srai_epi16(raw, 4);                         // k + 1
+              const __m256i low = _mm256_maddubs_epi16(times16, raw);                // k
+              const __m256 even_k = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(low, 16), mask));
+              const __m256 even_k1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(high, 16), mask));
+              const __m256 odd_k = _mm256_castsi256_ps(_mm256_and_si256(low, mask));
+              const __m256 odd_k1 = _mm256_castsi256_ps(_mm256_and_si256(high, mask));
               for (int r = 0; r < R; ++r) {
-                acc[r][v][0] = _mm256_fmadd_ps(lo, x[r], acc[r][v][0]);  // columns 0..3, k and k + 1
-                acc[r][v][1] = _mm256_fmadd_ps(hi, x[r], acc[r][v][1]);  // columns 4..7
+                even[r][w] = _mm256_fmadd_ps(even_k, x0[r], even[r][w]);
+                odd[r][w] = _mm256_fmadd_ps(odd_k, x0[r], odd[r][w]);
+                even[r][w] = _mm256_fmadd_ps(even_k1, x1[r], even[r][w]);
+                odd[r][w] = _mm256_fmadd_ps(odd_k1, x1[r], odd[r][w]);
               }
             }
           }
           if (c1 < k1) {
             for (int r = 0; r < R; ++r)
-              for (int v = 0; v < V; ++v)
-                for (int h = 0; h < 2; ++h) _mm256_storeu_ps(rows.held[r][v0 + v][h], acc[r][v][h]);
+              for (int w = 0; w < W; ++w) {
+                _mm256_storeu_ps(rows.held[r][w0 + w][0], even[r][w]);
+                _mm256_storeu_ps(rows.held[r][w0 + w][1], odd[r][w]);
+              }
             continue;
           }
-          for (int v = 0; v < V; ++v) {
-            const int n = 8 * (v0 + v);
-            const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scales + 64 * chunk + n), unscale);
+          for (int w = 0; w < W; ++w) {
+            const int n = 16 * (w0 + w);
+            const __m256 s0 = _mm256_loadu_ps(scales + 64 * chunk + n), s8 = _mm256_loadu_ps(scales + 64 * chunk + n + 8);
             for (int r = 0; r < R; ++r) {
-              const __m256 sum = _mm256_castpd_ps(_mm256_permute4x64_pd(
-                  _mm256_castps_pd(_mm256_hadd_ps(acc[r][v][0], acc[r][v][1])), 0xD8));  // columns 0..7
-              _mm256_storeu_ps(rows.ys[r] + n, _mm256_fmadd_ps(sum, s, _mm256_loadu_ps(rows.ys[r] + n)));
+              const __m256 lo = _mm256_unpacklo_ps(even[r][w], odd[r][w]), hi = _mm256_unpackhi_ps(even[r][w], odd[r][w]);
+              const __m256 u0 = _mm256_set1_ps(unlift[r][0]), u1 = _mm256_set1_ps(unlift[r][1]);
+              const __m256 sum0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), u0), u1);  // 0..7
+              const __m256 sum8 = _mm256_mul_ps(_mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), u0), u1);  // 8..15
+              float* out = rows.ys[r] + n;
+              _mm256_storeu_ps(out, _mm256_fmadd_ps(sum0, s0, _mm256_loadu_ps(out)));
+              _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(sum8, s8, _mm256_loadu_ps(out + 8)));
             }
           }
         }
@@ -288,14 +346,16 @@ const void* widen_fp8(const GemmTile& t) {
 }
 
 // Fp8Dot's sums over the widened block, 6 rows x 8 columns a pass (12 accumulators, 2 weight vectors and a
-// broadcast: 15 ymm), as the dense AVX2 tile: one VCVTPH2PS per 4 columns x a k-pair where Fp8Dot spends three
-// instructions more, and each weight vector serves 6 rows.
+// broadcast: 15 ymm), as the dense AVX2 tile: one VCVTPH2PS per 4 columns x a k-pair, and each weight vector
+// serves 6 rows.
 template <int R>
 struct Fp8WidenedDot {
   static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
     const uint8_t* b = static_cast<const uint8_t*>(t.b);
     const float* scales = reinterpret_cast<const float*>(b + 128 * t.k);
-    Fp8Rows<R> rows(t);
+    float unit[R];
+    std::fill(unit, unit + R, 1.0f);
+    Fp8Rows<R> rows(t, unit);
     for (int64_t k0 = 0, chunk = 0; k0 < t.k; k0 += t.group, ++chunk) {
       const int64_t k1 = std::min(k0 + t.group, t.k);
       for (int64_t c0 = k0; c0 < k1; c0 += kChunkK) {
