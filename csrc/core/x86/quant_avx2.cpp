@@ -9,9 +9,9 @@
 // registers hold 8 accumulators, so a register pass covers R rows x 64/R columns (R = 1, 2, 4), and a tile
 // runs its passes chunk by chunk (below). On one Zen 3 thread at M = 1, streaming 17-35 MB of packed linear
 // weights, the whole-block passes (each over every k, a 4 KB L2 prefetch) read int4 at 50% of the read
-// probe and fp8 at 54%; chunked with the L1 prefetch, int8 85-95%, int4 and mxfp4 70-83%, fp8 60-70% (fp8 is
-// compute-bound: 9-10 GB/s a thread even on weights that stay in L2). From 3 rows up an fp8 call widens its
-// block once and runs 6-row tiles over it: the layer at M = 2048 went from 0.41x bf16 to 0.98-1.22x.
+// probe and fp8 at 54%; chunked with the L1 prefetch, int8 85-95%, int4 and mxfp4 70-83%, fp8 60-70% (then
+// compute-bound in VCVTPH2PS's route; Fp8Dot below takes another). From 3 rows up an fp8 call widens its block
+// once and runs 6-row tiles over it: the layer at M = 2048 went from 0.41x bf16 to 0.98-1.22x.
 #include <algorithm>
 #include <cmath>
 #include <vector>
