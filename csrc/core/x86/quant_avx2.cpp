@@ -184,9 +184,11 @@ void widen_rows(const GemmTile& t, const float (&lift)[R], const float* (&a)[R])
     float* dst = rows.data() + r * t.k;
     const uint16_t* src = static_cast<const uint16_t*>(t.a_rows[r]);
     const __m256 by = _mm256_set1_ps(lift[r]);
-    for (int64_t k = 0; k < t.k; k += 8)
-      _mm256_storeu_ps(dst + k, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
-                                                  reinterpret_cast<const __m128i*>(src + k))), 16)), by));
+    for (int64_t k = 0; k < t.k; k += 8) {
+      const __m128i bf16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+      const __m256 f32 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16), 16));
+      _mm256_storeu_ps(dst + k, _mm256_mul_ps(f32, by));
+    }
     a[r] = dst;
   }
 }
@@ -236,8 +238,9 @@ struct SubnormalsKept {
 // x a k-pair, so 32 bytes give 4 f32 vectors: 16 columns' even and odd halves at k and k + 1, which the even and
 // odd accumulators of the 16 take in turn: 3 shifts, a VPMADDUBSW, 4 ands and 4 FMAs where the fp16 route spends
 // 4 unpacks, 4 shifts, 4 ands and 4 VCVTPH2PS (one Zen 3 thread, weights in L1: 24-25 GB/s against 12; 20-21
-// with a fourth and fifth shift in place of the VPMADDUBSW). The activations are scaled up when widened (fp8_lift_exponent), so
-// products of small weights and activations stay clear of the f32 subnormals, and each chunk's end scales back.
+// with a fourth and fifth shift in place of the VPMADDUBSW). The activations are scaled up when widened
+// (fp8_lift_exponent), so products of small weights and activations stay clear of the f32 subnormals, and each
+// chunk's end scales back.
 template <int R>
 struct Fp8Dot {
   static constexpr int W = R == 1 ? 4 : R == 2 ? 2 : 1;  // 16-column vectors per pass: 2W accumulators a row
@@ -301,9 +304,11 @@ struct Fp8Dot {
           }
           for (int w = 0; w < W; ++w) {
             const int n = 16 * (w0 + w);
-            const __m256 s0 = _mm256_loadu_ps(scales + 64 * chunk + n), s8 = _mm256_loadu_ps(scales + 64 * chunk + n + 8);
+            const __m256 s0 = _mm256_loadu_ps(scales + 64 * chunk + n);
+            const __m256 s8 = _mm256_loadu_ps(scales + 64 * chunk + n + 8);
             for (int r = 0; r < R; ++r) {
-              const __m256 lo = _mm256_unpacklo_ps(even[r][w], odd[r][w]), hi = _mm256_unpackhi_ps(even[r][w], odd[r][w]);
+              const __m256 lo = _mm256_unpacklo_ps(even[r][w], odd[r][w]);
+              const __m256 hi = _mm256_unpackhi_ps(even[r][w], odd[r][w]);
               const __m256 u0 = _mm256_set1_ps(unlift[r][0]), u1 = _mm256_set1_ps(unlift[r][1]);
               const __m256 sum0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), u0), u1);  // 0..7
               const __m256 sum8 = _mm256_mul_ps(_mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), u0), u1);  // 8..15
