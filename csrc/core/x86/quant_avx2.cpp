@@ -11,7 +11,7 @@
 // weights, the whole-block passes (each over every k, a 4 KB L2 prefetch) read int4 at 50% of the read
 // probe and fp8 at 54%; chunked with the L1 prefetch, int8 85-95%, int4 and mxfp4 70-83%, fp8 60-70% (then
 // compute-bound in VCVTPH2PS's route; Fp8Dot below takes another). In the layer at M = 1, with a 1-row 4-bit
-// tile in one pass a chunk (below): int8 91-92%, int4 82-88%, mxfp4 73-86%, fp8 81-82%. From 3 rows up an fp8 call widens its block
+// tile in one pass a chunk (below): int8 86-91%, int4 81-86%, mxfp4 73-83%, fp8 81-84%. From 3 rows up an fp8 call widens its block
 // once and runs 6-row tiles over it: the layer at M = 2048 went from 0.41x bf16 to 0.98-1.22x.
 #include <algorithm>
 #include <cmath>
