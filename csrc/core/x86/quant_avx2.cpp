@@ -11,8 +11,9 @@
 // weights, the whole-block passes (each over every k, a 4 KB L2 prefetch) read int4 at 50% of the read
 // probe and fp8 at 54%; chunked with the L1 prefetch, int8 85-95%, int4 and mxfp4 70-83%, fp8 60-70% (then
 // compute-bound in VCVTPH2PS's route; Fp8Dot below takes another). In the layer at M = 1, with a 1-row 4-bit
-// tile in one pass a chunk (below): int8 86-91%, int4 81-86%, mxfp4 73-83%, fp8 81-84%. From 3 rows up an fp8 call widens its block
-// once and runs 6-row tiles over it: the layer at M = 2048 went from 0.41x bf16 to 0.98-1.22x.
+// tile in one pass a chunk (below): int8 86-91%, int4 81-86%, mxfp4 73-83%, fp8 81-84%. From 3 rows up an fp8
+// call widens its block once and runs 6-row tiles over it: the layer at M = 2048 went from 0.41x bf16 to
+// 0.98-1.22x.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -27,8 +28,8 @@ namespace {
 // before the next chunk: the block streams from memory once and in order, and the later passes find the chunk
 // in L1. Sums that span chunks (int8's whole row, a group wider than a chunk) wait in memory between them.
 constexpr int64_t kChunkK = 128;
-// How far ahead the stream's prefetches run: fp8 at 1-2 rows reads its block at half the pace of the int8
-// dot products and wants them further ahead (M = 1, in turn: 2 KB 1.05x the speed of 1 KB; int8 0.94x).
+// How far ahead the stream's prefetches run. Measured at M = 1, old and new tiles in turn: fp8's 1-2-row tile at
+// 2 KB ran 1.04-1.05x its speed at 1 KB (3-4 KB no better), where int8 at 2 KB ran 0.93-0.94x.
 constexpr int kPrefetchBytes = 1024;
 constexpr int kFp8PrefetchBytes = 2048;
 
