@@ -52,7 +52,7 @@ from cpumoe.bench.machine import MachineInfo, OtherCpuUse, measure_machine
 from cpumoe.experts import ExpertsConfig, all_backends, choose_backend
 from cpumoe.layer import FusedMoE
 from cpumoe.presets import LayerPreset
-from cpumoe.quant import MXFP4_GROUP, QuantFormat, QuantizedWeight, parse_format, quantize
+from cpumoe.quant import MXFP4_GROUP, QuantFormat, parse_format, quantize
 from cpumoe.routing import select_experts
 
 TARGET_S = 0.75       # time each case for about this long
@@ -66,7 +66,6 @@ SLOW_REPS = 2
 QUICK_TARGET_S = 0.05  # --quick: one warm-up, then up to QUICK_MAX_REPS calls within about this long
 QUICK_MAX_REPS = 3
 BUSY_FRACTION = 0.05  # warn when other processes took this share of the CPUs during the run
-QUANTIZE_CHUNK = 8    # experts quantized at a time (PyTorch's quantizers make float32 temporaries of their input)
 
 FLOAT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
                 "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
@@ -269,17 +268,11 @@ def make_weights(preset: LayerPreset, dtype: torch.dtype, seed: int = 0) -> dict
 
 
 def quantize_weights(weights: dict[str, torch.Tensor | None], fmt: WeightFormat) -> dict:
-    """w13 and w2 as QuantizedWeight stacks of `fmt`, quantized QUANTIZE_CHUNK experts at a time (to bound the
-    quantizers' float32 temporaries); biases in the activations' dtype."""
-    def chunked(w: torch.Tensor) -> QuantizedWeight:  # [E, N, K] -> a stack [E, N, K]
-        parts = [quantize(w[e:e + QUANTIZE_CHUNK], fmt.quant, fmt.group_size or None)
-                 for e in range(0, w.shape[0], QUANTIZE_CHUNK)]
-        cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-        return QuantizedWeight(fmt.quant, cat([p.qweight for p in parts]), cat([p.scales for p in parts]),
-                               cat([p.zeros for p in parts]), parts[0].group_size)
+    """w13 and w2 as QuantizedWeight stacks of `fmt`; biases in the activations' dtype."""
     bias = lambda b: None if b is None else b.to(fmt.dtype)  # noqa: E731
-    return dict(w13=chunked(weights["w13"]), w2=chunked(weights["w2"]), w13_bias=bias(weights["w13_bias"]),
-                w2_bias=bias(weights["w2_bias"]))
+    return dict(w13=quantize(weights["w13"], fmt.quant, fmt.group_size or None),
+                w2=quantize(weights["w2"], fmt.quant, fmt.group_size or None),
+                w13_bias=bias(weights["w13_bias"]), w2_bias=bias(weights["w2_bias"]))
 
 
 def make_inputs(preset: LayerPreset, tokens: int, dtype: torch.dtype, seed: int = 1) -> LayerInputs:

@@ -13,6 +13,12 @@ from cpumoe.quant.formats import FP8_BLOCK, MXFP4_GROUP, QuantFormat, QuantizedW
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 FP8_MAX = 448.0
+E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # between E2M1's magnitudes in turn
+# The quantizers make float32 and int64 temporaries several times their input's size, so quantize() takes a stack
+# [E, N, K] a few whole experts at a time (a 2-D weight a band of rows at a time), this many elements a slice at most
+# (one expert when one is larger): a 128-expert layer then needs its result and a slice's temporaries, not 30x itself.
+SLICE_ELEMENTS = 1 << 24
+SLICE_TEMPORARY_BYTES = 32 * SLICE_ELEMENTS  # the most a slice's temporaries take (mxfp4's ~28 bytes an element)
 
 
 def quantize(weight: torch.Tensor, format: str | QuantFormat, group_size: int | None = None,
@@ -20,14 +26,37 @@ def quantize(weight: torch.Tensor, format: str | QuantFormat, group_size: int | 
     """weight [.., N, K] float -> QuantizedWeight. group_size: int4 group (default 128; K for per channel),
     fp8 k block (default 128); int8 is per channel, mxfp4 groups of 32. symmetric=False gives int4 zero points."""
     f = parse_format(format)
+    K = weight.shape[-1]
+    if f is QuantFormat.INT4_W4A16:
+        group_size = group_size or (128 if K % 128 == 0 else K)
+    elif f is QuantFormat.FP8_W8A16:
+        group_size = group_size or FP8_BLOCK
+    step = _slice_step(weight, f, group_size)
+    if step >= weight.shape[0]:
+        return _quantize_slice(weight, f, group_size, symmetric)
+    parts = [_quantize_slice(weight[i:i + step], f, group_size, symmetric) for i in range(0, weight.shape[0], step)]
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    return QuantizedWeight(f, cat([p.qweight for p in parts]), cat([p.scales for p in parts]),
+                           cat([p.zeros for p in parts]), parts[0].group_size)
+
+
+def _slice_step(weight: torch.Tensor, f: QuantFormat, group_size: int | None) -> int:
+    """How many of weight's leading slices (experts of a stack, rows of a 2-D weight) quantize() takes at once."""
+    per_slice = weight[0].numel() if weight.dim() > 0 else 1
+    step = max(1, SLICE_ELEMENTS // max(per_slice, 1))
+    if weight.dim() == 2 and f is QuantFormat.FP8_W8A16:  # a band of whole blocks
+        step = max(group_size, step // group_size * group_size)
+    return step
+
+
+def _quantize_slice(weight: torch.Tensor, f: QuantFormat, group_size: int | None, symmetric: bool) -> QuantizedWeight:
     w = weight.float()
     if f is QuantFormat.INT8_W8A8:
         return quantize_int8(w)
     if f is QuantFormat.INT4_W4A16:
-        K = w.shape[-1]
-        return quantize_int4(w, group_size or (128 if K % 128 == 0 else K), symmetric)
+        return quantize_int4(w, group_size, symmetric)
     if f is QuantFormat.FP8_W8A16:
-        return quantize_fp8(w, group_size or FP8_BLOCK)
+        return quantize_fp8(w, group_size)
     return quantize_mxfp4(w)
 
 
@@ -105,8 +134,7 @@ def quantize_mxfp4(w: torch.Tensor) -> QuantizedWeight:
     exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=2.0 ** -126))) - 2, torch.full_like(amax, -127))
     exp = exp.clamp(-127, 127)
     scaled = groups / torch.ldexp(torch.ones(exp.shape), exp.int())[..., None]
-    positive = E2M1_VALUES[:8]
-    codes = (scaled.abs()[..., None] - positive).abs().argmin(dim=-1)  # nearest magnitude (ties: the smaller)
+    codes = torch.bucketize(scaled.abs(), E2M1_MIDPOINTS)  # nearest magnitude (ties: the smaller)
     codes = torch.where((scaled < 0) & (codes > 0), codes + 8, codes)
     return QuantizedWeight(QuantFormat.MXFP4_W4A16, codes.flatten(-2).to(torch.uint8).contiguous(),
                            (exp + 127).to(torch.uint8).contiguous(), None, MXFP4_GROUP)

@@ -63,6 +63,35 @@ def test_mxfp4_of_exact_values_is_exact():
     assert torch.equal(dequantize(quantize(exact, "mxfp4")), exact)
 
 
+def test_mxfp4_rounds_to_the_nearest_value_and_ties_to_the_smaller_magnitude():
+    # a group's max of 6 x 2^0 sets its exponent to 0; then each E2M1 midpoint, and values just either side of it
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    row = torch.cat([torch.tensor([6.0]), mids, -mids, mids + 1e-6, mids - 1e-6, torch.tensor([7.9, 0.0] * 2)])
+    q = quantize(torch.cat([row, torch.zeros(32 - row.numel() % 32)])[None], "mxfp4")
+    values = dequantize(q)[0, :row.numel()]
+    below = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
+    assert torch.equal(values[1:8], below) and torch.equal(values[8:15], -below)
+    assert torch.equal(values[15:22], below.roll(-1).index_put_((torch.tensor([6]),), torch.tensor(6.0)))
+    assert torch.equal(values[22:29], below)
+    assert values[29] == 6.0  # clipped
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", None), ("int4", 32), ("fp8", 128), ("fp8", 64), ("mxfp4", None)])
+@pytest.mark.parametrize("shape", [(9, 70, 256), (300, 256)])
+def test_quantize_takes_a_large_weight_in_slices_with_the_same_result(monkeypatch, fmt, group, shape):
+    from cpumoe.quant import schemes
+
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+    whole = quantize(w, fmt, group)
+    monkeypatch.setattr(schemes, "SLICE_ELEMENTS", 3 * 70 * 256 if len(shape) == 3 else 50 * 256)
+    assert schemes._slice_step(w, whole.format, group) < shape[0]
+    sliced = quantize(w, fmt, group)
+    for name in ("qweight", "scales", "zeros"):
+        a, b = getattr(whole, name), getattr(sliced, name)
+        assert (a is None and b is None) or torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                                        b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
 def test_activation_quantization_rounds_half_to_even():
     x = torch.tensor([[127.0, 0.5, 1.5, -2.5, 0.0], [0.0] * 5])
     q, s = quantize_activations(x)

@@ -76,14 +76,14 @@ class LayerUnit:
 
     def bytes_needed(self) -> int:
         from cpumoe.bench import layer as lb
+        from cpumoe.quant.schemes import SLICE_TEMPORARY_BYTES
 
         preset = self.preset
         fmt = lb.parse_weight_format(self.format, self.group_size)
         master = lb.weights_nbytes(preset, fmt.dtype if fmt.quant is None else lb.REFERENCE_DTYPE)
         need = master + PROCESS_BYTES + (QUICK_PROBE_BYTES if self.quick else FULL_PROBE_BYTES)
-        if fmt.quant is not None:   # the quantized stack, and the quantizers' float32 temporaries of a chunk
-            need += lb.quantized_nbytes(preset, fmt)
-            need += 2 * min(lb.QUANTIZE_CHUNK, preset.experts) * 3 * preset.hidden * preset.inter * 4
+        if fmt.quant is not None:   # the quantized stack, and the quantizer's temporaries of a slice
+            need += lb.quantized_nbytes(preset, fmt) + SLICE_TEMPORARY_BYTES
         if self.backend != "none":
             try:
                 need += lb.case_nbytes(preset, lb.Case(fmt, self.backend))
