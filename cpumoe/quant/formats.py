@@ -137,13 +137,26 @@ def stack(weights: list[QuantizedWeight]) -> QuantizedWeight:
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Row blocks of one format (e.g. gate_proj then up_proj) -> one weight [.., sum N, K]."""
-    first = parts[0]
-    if any(p.format is not first.format or p.group_size != first.group_size for p in parts):
-        raise ValueError("cannot concatenate weights of different formats or group sizes")
-    if any((p.zeros is None) != (first.zeros is None) for p in parts):
-        raise ValueError("cannot concatenate symmetric and zero-point weights")
+    first = _check_joinable(parts)
     scale_dim = -1 if first.format is QuantFormat.INT8_W8A8 else -2  # int8 scales are [.., N]
     return QuantizedWeight(first.format, torch.cat([p.qweight for p in parts], dim=-2),
                            torch.cat([p.scales for p in parts], dim=scale_dim),
                            None if first.zeros is None else torch.cat([p.zeros for p in parts], dim=-2),
                            first.group_size)
+
+
+def concat_leading(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Slices of one format along the leading dimension (experts of a stack, or rows of a 2-D weight) -> one
+    weight: [sum E, N, K] or [sum N, K]."""
+    first = _check_joinable(parts)
+    return QuantizedWeight(first.format, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                           None if first.zeros is None else torch.cat([p.zeros for p in parts]), first.group_size)
+
+
+def _check_joinable(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    first = parts[0]
+    if any(p.format is not first.format or p.group_size != first.group_size for p in parts):
+        raise ValueError("cannot concatenate weights of different formats or group sizes")
+    if any((p.zeros is None) != (first.zeros is None) for p in parts):
+        raise ValueError("cannot concatenate symmetric and zero-point weights")
+    return first

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from cpumoe.quant.formats import FP8_BLOCK, MXFP4_GROUP, QuantFormat, QuantizedWeight, parse_format
+from cpumoe.quant.formats import FP8_BLOCK, MXFP4_GROUP, QuantFormat, QuantizedWeight, concat_leading, parse_format
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 FP8_MAX = 448.0
@@ -34,16 +34,13 @@ def quantize(weight: torch.Tensor, format: str | QuantFormat, group_size: int | 
     step = _slice_step(weight, f, group_size)
     if step >= weight.shape[0]:
         return _quantize_slice(weight, f, group_size, symmetric)
-    parts = [_quantize_slice(weight[i:i + step], f, group_size, symmetric) for i in range(0, weight.shape[0], step)]
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-    return QuantizedWeight(f, cat([p.qweight for p in parts]), cat([p.scales for p in parts]),
-                           cat([p.zeros for p in parts]), parts[0].group_size)
+    return concat_leading([_quantize_slice(weight[i:i + step], f, group_size, symmetric)
+                           for i in range(0, weight.shape[0], step)])
 
 
 def _slice_step(weight: torch.Tensor, f: QuantFormat, group_size: int | None) -> int:
     """How many of weight's leading slices (experts of a stack, rows of a 2-D weight) quantize() takes at once."""
-    per_slice = weight[0].numel() if weight.dim() > 0 else 1
-    step = max(1, SLICE_ELEMENTS // max(per_slice, 1))
+    step = max(1, SLICE_ELEMENTS // max(weight[0].numel(), 1))
     if weight.dim() == 2 and f is QuantFormat.FP8_W8A16:  # a band of whole blocks
         step = max(group_size, step // group_size * group_size)
     return step
