@@ -145,6 +145,15 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     torch.ops.cpumoe.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, norm_eps)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's most likely token: logits float32 [B, V] -> int64 [B], the first of equal maxima (as torch.argmax),
+    or NO_TOKEN for a row that holds a NaN (csrc/core/greedy.h). One op where argmax and a NaN check were four."""
+    return torch.ops.cpumoe.greedy_tokens(logits)
+
+
+NO_TOKEN = -1  # greedy_tokens' id for a row with no most likely token (kNoToken)
+
+
 def attention_backends() -> list[str]:
     """The kernel backends with a decode attention kernel that can run here, fastest first."""
     return list(_C.attention_backends())
@@ -172,6 +181,7 @@ def measure_read_bandwidth(nbytes: int = 1 << 30, repetitions: int = 5) -> tuple
 ReadBandwidthProbe = _C.ReadBandwidthProbe
 # A decoder layer's decode step in one call over ops above (csrc/torch/decode_layer.inc; cpumoe/models/decode_layer.py)
 DecodeLayer = _C.DecodeLayer
+DecodeModel = _C.DecodeModel
 LayerLinear = _C.LayerLinear
 
 
@@ -254,6 +264,11 @@ def _rope_and_cache_fake(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_no
 def _add_rms_norm_fake(x, residual, weight, eps, weight_in_float=False):
     _no_meta_weights(x, weight=weight)
     return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.register_fake("cpumoe::greedy_tokens")
+def _greedy_tokens_fake(logits):
+    return logits.new_empty(logits.shape[:1], dtype=torch.long)
 
 
 @torch.library.register_fake("cpumoe::rms_norm")

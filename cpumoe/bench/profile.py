@@ -7,8 +7,9 @@ interval charged to the innermost bracket open at the time (exclusive time), so 
     glue         the rest of the model's forward: norms, residual adds, RoPE, the KV-cache write, reshapes, routing
                  glue, allocations, and the Python between them
     engine       the step outside the model: scheduling, building the batch, sampling, detokenization
-A decode step whose layers run fused (models/decode_layer.py: one C++ call a layer) has no modules to hook there:
-those layers time their own GEMMs, attention and experts, and the profile moves that time out of glue.
+A decode step that runs fused (models/decode_layer.py: the whole step as one C++ call, or one a layer) has no
+modules to hook there: the fused layers time their own GEMMs, attention and experts, the whole step its lm_head, and
+the profile moves that time out of glue.
 
 Hooks cost a few microseconds per module call; the report gives the profiled step beside an unprofiled one so
 that cost shows. The attention functions are wrapped by name in the modules that call them, for the duration of a
@@ -95,7 +96,7 @@ def bracketed(model: nn.Module, clock: StepClock) -> Iterator[None]:
         fn = getattr(owner, name)
         originals.append((owner, name, fn))
         setattr(owner, name, _timed(fn, clock))
-    fused = fused_layers(model)
+    fused = fused_plans(model)
     for plan in fused:
         plan.set_timing(True)
     try:
@@ -109,16 +110,19 @@ def bracketed(model: nn.Module, clock: StepClock) -> Iterator[None]:
             plan.set_timing(False)
 
 
-def fused_layers(model: nn.Module) -> list:
-    """The model's fused decode layers (models/decode_layer.py), if its decode steps run them."""
+def fused_plans(model: nn.Module) -> list:
+    """The model's fused decode layers and its fused whole step (models/decode_layer.py), if its decode steps run
+    them: each times its own parts (the step's clock leaves its layers' time to theirs)."""
     decoder = getattr(model, "model", None)
-    return list(getattr(decoder, "decode_layers", None) or [])
+    step = getattr(model, "decode_step", None)
+    return list(getattr(decoder, "decode_layers", None) or []) + ([step.plan] if step is not None else [])
 
 
-def charge_fused_layers(model: nn.Module, clock: StepClock) -> None:
-    """A fused layer is one call inside the model's forward, so the clock charged all of it to glue: move the
-    parts its own clock gave to the GEMMs, attention and the experts (see decode_layer.inc), and restart that."""
-    for plan in fused_layers(model):
+def charge_fused_plans(model: nn.Module, clock: StepClock) -> None:
+    """A fused layer or step is one call inside the model's forward, so the clock charged all of it to glue: move
+    the parts its own clock gave to the GEMMs, attention and the experts (see decode_layer.inc, decode_model.inc),
+    and restart that."""
+    for plan in fused_plans(model):
         glue, dense, attention, experts = plan.times()
         for group, seconds in (("dense GEMMs", dense), ("attention", attention), ("experts", experts)):
             clock.seconds[group] += seconds
@@ -172,7 +176,7 @@ def profile_decode(engine, batch: int, input_len: int, steps: int = 16, seed: in
             engine.step()
             profiled.append(time.perf_counter() - t0)
             clock.stop()
-            charge_fused_layers(engine.model, clock)
+            charge_fused_plans(engine.model, clock)
         for group in GROUPS:
             per_group[group].append(clock.seconds[group])
     while engine.has_unfinished():

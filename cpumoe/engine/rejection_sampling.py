@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from cpumoe import ops
 from cpumoe.engine.api import SamplingParams
 from cpumoe.engine.sampling import FAILED, GREEDY_EPS, draw, probabilities
 
@@ -32,7 +33,7 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], draft_probs: list[torc
 
 
 def _verify_greedy(rows: torch.Tensor, drafts: list[int]) -> list[int]:
-    target = rows.argmax(dim=-1).masked_fill(torch.isnan(rows).any(dim=-1), FAILED).tolist()  # [k + 1]
+    target = ops.greedy_tokens(rows.contiguous()).tolist()  # [k + 1]; FAILED for a row with a NaN
     accepted = []
     for d, t in zip(drafts, target):
         if t != d:

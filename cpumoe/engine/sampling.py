@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from cpumoe import ops
 from cpumoe.engine.api import SamplingParams
 
 # Below this temperature logits / T can overflow float32 and softmax would give NaN; such rows are greedy,
 # which is what the distribution tends to anyway (vLLM draws the same line).
 GREEDY_EPS = 1e-5
-# The id a row gets when its logits give no distribution (NaN, or every token at -inf).
-FAILED = -1
+# The id a row gets when its logits give no distribution (NaN, or every token at -inf): greedy_tokens' own.
+FAILED = ops.NO_TOKEN
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -85,19 +86,14 @@ class Sampler:
         B, V = logits.shape
         if len(params) != B or len(generators) != B:
             raise ValueError(f"{B} rows of logits but {len(params)} params and {len(generators)} generators")
-        logits = logits.float()
+        logits = logits.float().contiguous()
         greedy = [p.temperature < GREEDY_EPS for p in params]
-        if all(greedy):
-            ids = logits.argmax(dim=-1)  # [B]; ties -> the first (lowest) id
-            # argmax lands on a NaN when the row holds one (torch's max propagates NaN), so the chosen logit alone
-            # tells a NaN row: a scan of the vocabulary for NaN took 0.13 ms a decode step.
-            return ids.masked_fill(torch.isnan(logits.gather(1, ids[:, None])).squeeze(1), FAILED)
+        if all(greedy):  # ties -> the first (lowest) id; a row with a NaN has no most likely token
+            return ops.greedy_tokens(logits)
         out = torch.empty(B, dtype=torch.long)
         greedy_rows = [i for i in range(B) if greedy[i]]
         if greedy_rows:
-            chosen = logits[greedy_rows]
-            nan_rows = torch.isnan(chosen).any(dim=-1)       # no token is "the most likely" there
-            out[greedy_rows] = chosen.argmax(dim=-1).masked_fill(nan_rows, FAILED)
+            out[greedy_rows] = ops.greedy_tokens(logits[greedy_rows])
 
         rows = [i for i in range(B) if not greedy[i]]
         probs = probabilities(logits if len(rows) == B else logits[rows], [params[i] for i in rows])  # [R, V]

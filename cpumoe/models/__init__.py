@@ -108,7 +108,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, dtype: torch.dtype, quantize
             custom = arch.experts_from_checkpoint(config, ckpt, prefix, block, dtype)
             _load_block_experts(block, prefix, ckpt, specs, quantized, dtype, custom)
             ops.release_free_memory()  # the layer's transient buffers, before the next layer's stacks settle
-    _fuse_decode_layers(model)
+    _fuse_decode(model)
 
 
 def _join_projections(model: CausalLM) -> None:
@@ -122,12 +122,18 @@ def _join_projections(model: CausalLM) -> None:
                     f" (the others run three: {why_not[0]})" if why_not else "")
 
 
-def _fuse_decode_layers(model: CausalLM) -> None:
-    """Decode steps as one C++ call a layer (DecoderModel.fuse_decode_layers), or the log says why not."""
-    decoder = getattr(model, "model", None)
-    if hasattr(decoder, "fuse_decode_layers"):
-        why = decoder.fuse_decode_layers()
-        logger.info("decode steps run %s", "each layer as one C++ call" if why is None else f"the modules ({why})")
+def _fuse_decode(model: CausalLM) -> None:
+    """Decode steps as one C++ call (CausalLM.fuse_decode), or a call a layer, or the log says why not."""
+    if not hasattr(model, "fuse_decode"):
+        return
+    layers_why, step_why = model.fuse_decode()
+    if layers_why is not None:
+        logger.info("decode steps run the modules (%s)", layers_why)
+    elif step_why is not None:
+        logger.info("decode steps run each layer as one C++ call (not the whole step: %s)", step_why)
+    else:
+        logger.info("decode steps run as one C++ call%s", "" if model.decode_step.runs_lm_head
+                    else " up to the final norm (the lm_head and the logits run as modules)")
 
 
 def _load_block_experts(block: MoEBlock, prefix: str, ckpt: Checkpoint, specs: dict,

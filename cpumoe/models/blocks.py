@@ -89,12 +89,17 @@ class RotaryEmbedding(nn.Module):
         # the same values, so this changes no bit. Traced (fake) positions have no values to size it by.
         if isinstance(positions, FakeTensor) or torch.compiler.is_compiling():
             return tuple(t.to(dtype) for t in self._cos_sin(positions.float()))
-        length = int(positions.max()) + 1 if positions.numel() else 0
+        cos, sin = self.tables(dtype, int(positions.max()) + 1 if positions.numel() else 0)
+        return cos[positions], sin[positions]
+
+    def tables(self, dtype: torch.dtype, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [P, d] in dtype of every position below P >= length: forward's rows (the fused decode step takes
+        its rows from these itself)."""
         cos, sin = self._tables.get(dtype, (None, None))
         if cos is None or cos.shape[0] < length:
             rows = max(256, 1 << max(length - 1, 1).bit_length())  # grown by doubling: at most 2x the longest context
             cos, sin = self._tables[dtype] = tuple(t.to(dtype) for t in self._cos_sin(torch.arange(rows).float()))
-        return cos[positions], sin[positions]
+        return cos, sin
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype,
                  context: AttentionContext | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from torch import nn
 from cpumoe.attention import AttentionContext, DecodeBatch, KVCacheLayout
 from cpumoe.models.architecture import Architecture, DecoderLayer
 from cpumoe.models.blocks import RMSNorm
-from cpumoe.models.decode_layer import fused_decode_layer
+from cpumoe.models.decode_layer import FusedDecodeStep, fused_decode_layer
 from cpumoe.models.packed_linear import PackedLinear, QuantizedLinear
 
 
@@ -95,6 +95,16 @@ class CausalLM(nn.Module):
         # tied: logits use embed_tokens.weight; the checkpoint's lm_head.weight, if any, is not read
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=getattr(config, "lm_head_bias", False)))
+        self.decode_step: FusedDecodeStep | None = None  # all-decode steps as one C++ call, once fused (fuse_decode)
+
+    def fuse_decode(self) -> tuple[str | None, str | None]:
+        """Decode steps as one C++ call a layer (DecoderModel.fuse_decode_layers) and, where those are, the whole
+        step as one (FusedDecodeStep). Returns why the layers are not fused (None: they are), and why the whole
+        step is not (None: it is)."""
+        self.decode_step = None
+        layers_why = self.model.fuse_decode_layers()
+        self.decode_step, step_why = FusedDecodeStep.build(self)
+        return layers_why, step_why
 
     @property
     def kv_cache_layout(self) -> KVCacheLayout:
@@ -106,6 +116,11 @@ class CausalLM(nn.Module):
         """No context: [B, T] or [T] -> float32 [B, T, V] or [T, V], the whole sequence without a cache.
         With context: flat [T] -> float32 [len(logits_indices), V] (all T rows when logits_indices is None)."""
         if context is not None:
+            if self.decode_step is not None and logits_indices is None:
+                decode = context.decode_batch()
+                if decode is not None and decode.token_index is None:  # every sequence decodes
+                    out = self.decode_step.forward(input_ids, context, decode)
+                    return out if self.decode_step.runs_lm_head else self.compute_logits(out)
             h = self.model(input_ids, context)  # [T, H]
             return self.compute_logits(h if logits_indices is None else h[logits_indices])
         squeeze = input_ids.dim() == 1
@@ -134,5 +149,6 @@ class CausalLM(nn.Module):
         for module in [m for m in self.modules() if m is not self and hasattr(m, "make_batch_invariant")]:
             module.make_batch_invariant()
         self.model.decode_layers = None  # their attention is the decode kernel over whole tables, not row_attention
+        self.decode_step = None
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.model.embed_tokens.weight)

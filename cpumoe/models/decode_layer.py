@@ -5,18 +5,24 @@ modules compute; decode steps only (every sequence one token).
     fused_decode_layer(layer) -> (ops.DecodeLayer, None) where the layer is the plain pre-norm attention + MoE
                                  layer on native kernels, else (None, why not)
 
-The model (causal_lm.DecoderModel) runs a step through these when every layer has one and the step is all decodes;
-other steps, and models with other layers, run the modules. Built once per layer after loading, so it holds the
-packed weights the modules hold (the same tensors, not copies).
+    FusedDecodeStep.build(model) -> (the whole step: embedding, these layers, the final norm and the lm_head as one
+                                     C++ call, ops.DecodeModel; None) or (None, why not)
+
+The model (causal_lm.CausalLM) runs a step through the whole-step call when it has one and the step is all decodes,
+else through these layers (causal_lm.DecoderModel) when every layer has one; other steps, and models with other
+layers, run the modules. Built once after loading, so they hold the packed weights the modules hold (the same
+tensors, not copies).
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from cpumoe import ops
+from cpumoe.attention import AttentionContext, DecodeBatch
 from cpumoe.experts.native import NativeExperts
-from cpumoe.models.architecture import DecoderLayer
-from cpumoe.models.blocks import Attention, MoEBlock, QKNorm, RMSNorm
+from cpumoe.models.architecture import Architecture, DecoderLayer
+from cpumoe.models.blocks import Attention, MoEBlock, QKNorm, RMSNorm, RotaryEmbedding
 from cpumoe.models.packed_linear import PackedLinear, QuantizedLinear
 
 
@@ -91,3 +97,59 @@ def _layer_linear(linear: PackedLinear | QuantizedLinear):
     return ops.LayerLinear(weight=linear.packed_weight, bias=None if linear.bias is None else linear.bias.detach(),
                            backend=linear.backend, format=linear.format.value if quantized else "",
                            group_size=linear.group_size if quantized else 0, out_features=linear.out_features)
+
+
+class FusedDecodeStep:
+    """A decode step of the whole model as one C++ call (csrc/torch/decode_model.inc) over the fused layers: from
+    input ids to float32 logits, or to the final norm's output when the lm_head or the logits' last step is not one
+    it runs (then the model's compute_logits takes it from there)."""
+
+    def __init__(self, model: nn.Module, rotaries: list[RotaryEmbedding], rotary_of_layer: list[int],
+                 lm_head: nn.Module | None):
+        decoder = model.model
+        self.decoder, self.rotaries, self.runs_lm_head = decoder, rotaries, lm_head is not None
+        self.dtype = decoder.embed_tokens.weight.dtype
+        self.layer_indices = [layer.layer_idx for layer in decoder.layers]
+        self.plan = ops.DecodeModel(
+            embedding=decoder.embed_tokens.weight.detach(), layers=decoder.decode_layers,
+            rotary_of_layer=rotary_of_layer, final_norm=decoder.norm.weight.detach(), eps=decoder.norm.eps,
+            weight_in_float=decoder.norm.weight_in_float, lm_head=None if lm_head is None else _layer_linear(lm_head))
+
+    @classmethod
+    def build(cls, model: nn.Module) -> tuple[FusedDecodeStep | None, str | None]:
+        """(the step, None) where model's decode layers are fused and its embedding and final norm are the plain
+        ones; else (None, why not)."""
+        decoder = model.model
+        if getattr(decoder, "decode_layers", None) is None:
+            return None, "its layers do not run fused"
+        embed, norm = decoder.embed_tokens, decoder.norm
+        if type(embed) is not nn.Embedding:
+            return None, f"its embedding is {type(embed).__name__}"
+        if type(norm) is not RMSNorm or not norm._runs_op(embed.weight):  # else add_and_norm runs torch's maths
+            return None, "its final norm is not an RMSNorm in the embeddings' dtype"
+        rotaries, rotary_of_layer, keys = [], [], {}
+        for layer in decoder.layers:
+            rotary = layer.self_attn.rotary
+            if type(rotary) is not RotaryEmbedding:
+                return None, f"a layer's rotary is {type(rotary).__name__}"
+            if rotary.cache_key not in keys:  # equal keys give equal tables (RotaryEmbedding.for_step shares them)
+                keys[rotary.cache_key] = len(rotaries)
+                rotaries.append(rotary)
+            rotary_of_layer.append(keys[rotary.cache_key])
+        plain_logits = type(model.arch).final_logits is Architecture.final_logits
+        lm_head = model.lm_head if plain_logits and model.lm_head is not None and _is_packed(model.lm_head) else None
+        return cls(model, rotaries, rotary_of_layer, lm_head), None
+
+    def forward(self, input_ids: torch.Tensor, context: AttentionContext, decode: DecodeBatch) -> torch.Tensor:
+        """input_ids [S] (each sequence's one new token) -> float32 logits [S, V], or the final hidden states [S, H]
+        when not runs_lm_head."""
+        length = max(context.context_lens)
+        tables = [rotary.tables(self.dtype, length) for rotary in self.rotaries]
+        caches = [context.kv_caches[i] for i in self.layer_indices]
+        out = self.plan.forward(input_ids, context.positions, context.slot_mapping, [k for k, _ in caches],
+                                [v for _, v in caches], decode.block_table, decode.key_begin, decode.key_end,
+                                [cos for cos, _ in tables], [sin for _, sin in tables])
+        for layer in self.decoder.decode_layers if self.decoder.decode_routing_hooks else ():
+            for hook in self.decoder.decode_routing_hooks:
+                hook(layer.routed_ids())
+        return out

@@ -15,6 +15,7 @@
 
 #include "../core/cpu_features.h"
 #include "../core/fused_moe.h"
+#include "../core/greedy.h"
 #include "../core/linear.h"
 #include "../core/membw.h"
 #include "../core/memory.h"
@@ -680,7 +681,17 @@ void rope_and_cache_op(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   rope_and_cache(a, kernel_parallel());
 }
 
+// Logits [B, V] float32 -> int64 [B]: each row's argmax, kNoToken for a row with a NaN; see greedy.h.
+at::Tensor greedy_tokens_op(const at::Tensor& logits) {
+  check_dense(logits, "logits", 2);
+  TORCH_CHECK_VALUE(logits.scalar_type() == at::kFloat, "logits must be float32, got ", logits.scalar_type());
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  greedy_tokens(logits.data_ptr<float>(), logits.size(0), logits.size(1), out.data_ptr<int64_t>(), kernel_parallel());
+  return out;
+}
+
 #include "decode_layer.inc"
+#include "decode_model.inc"
 
 }  // namespace
 
@@ -695,6 +706,7 @@ TORCH_LIBRARY(cpumoe, m) {
         "float norm_eps=1e-6) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_begin, "
         "Tensor key_end, float scale, Tensor? sinks, str backend=\"\") -> Tensor");
+  m.def("greedy_tokens(Tensor logits) -> Tensor");
   m.def("pack_w13(Tensor w13, str backend) -> Tensor");
   m.def("pack_w2(Tensor w2, str backend) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor? bias, *, str backend, int out_features) -> Tensor");
@@ -724,6 +736,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("rms_norm", &rms_norm_op);
   m.impl("add_rms_norm", &add_rms_norm_op);
   m.impl("rope_and_cache", &rope_and_cache_op);
+  m.impl("greedy_tokens", &greedy_tokens_op);
 }
 
 }  // namespace cpumoe
@@ -793,6 +806,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("release_free_memory", &cpumoe::release_free_memory,
         "Return the allocator's free memory to the OS (malloc_trim); false if nothing was released");
   cpumoe::bind_decode_layer(m);
+  cpumoe::bind_decode_model(m);
   m.def("measure_read_bandwidth", [](int64_t bytes, int repetitions) {
     auto r = cpumoe::measure_read_bandwidth(bytes, repetitions, cpumoe::probe_parallel());
     return std::make_tuple(r.best_gbps, r.median_gbps);

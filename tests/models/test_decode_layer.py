@@ -1,8 +1,8 @@
-"""Decode steps with each layer as one C++call (models/decode_layer.py, ops.DecodeLayer), against the modules they
-stand for: the engine's logits are the same bit for bit, step after step, for every architecture whose layers fuse
-(bf16, float32, and int8 / int4 quantized checkpoints); the others say why they run the modules; batch-invariant
-engines and prefill steps keep the modules; the profile still charges the fused layers' GEMMs, attention and experts
-to their groups."""
+"""Decode steps as one C++ call (models/decode_layer.py, ops.DecodeModel) and with each layer as one
+(ops.DecodeLayer), against the modules they stand for: the engine's logits are the same bit for bit, step after step,
+for every architecture whose layers fuse (bf16, float32, and int8 / int4 quantized checkpoints); the others say why
+they run the modules; batch-invariant engines and prefill steps keep the modules; the profile still charges the fused
+GEMMs, attention and experts to their groups."""
 import logging
 
 import pytest
@@ -27,39 +27,56 @@ def engine_for(path, dtype=torch.bfloat16, **config) -> LLMEngine:
                      config=EngineConfig(num_blocks=64, enable_prefix_caching=False, **config))
 
 
-def step_logits(engine: LLMEngine, fused: bool, max_tokens: int = 6) -> list[tuple[bool, torch.Tensor]]:
-    """(whether the step ran the fused layers, its logits) for every model call of a greedy generate."""
-    decoder = engine.model.model
-    plans = decoder.decode_layers
-    decoder.decode_layers = plans if fused else None
-    calls = []
-    forward, step = engine.model.forward, decoder._decode_step
+MODES = ("step", "layers", "modules")  # the whole step as one call, a call a layer, the modules
 
-    def recording_step(*args, **kwargs):
-        calls[-1][0] = True
-        return step(*args, **kwargs)
+
+def step_logits(engine: LLMEngine, mode: str, max_tokens: int = 6) -> list[tuple[str | None, torch.Tensor]]:
+    """(which fused path the step ran: "step", "layers" or None, its logits) for every model call of a greedy
+    generate, with the engine's decode steps run as `mode` says."""
+    model, decoder = engine.model, engine.model.model
+    plans, whole = decoder.decode_layers, model.decode_step
+    decoder.decode_layers = plans if mode != "modules" else None
+    model.decode_step = whole if mode == "step" else None
+    calls = []
+    forward, layers_step = model.forward, decoder._decode_step
+
+    def recording_layers(*args, **kwargs):
+        calls[-1][0] = "layers"
+        return layers_step(*args, **kwargs)
+
+    def recording_whole(*args, **kwargs):
+        calls[-1][0] = "step"
+        return whole_forward(*args, **kwargs)
 
     def recording(*args, **kwargs):
-        calls.append([False, None])
+        calls.append([None, None])
         calls[-1][1] = forward(*args, **kwargs)
         return calls[-1][1]
 
-    engine.model.forward, decoder._decode_step = recording, recording_step
+    model.forward, decoder._decode_step = recording, recording_layers
+    if whole is not None:
+        whole_forward, whole.forward = whole.forward, recording_whole
     try:
         engine.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     finally:
-        del engine.model.forward, decoder._decode_step
-        decoder.decode_layers = plans
+        del model.forward, decoder._decode_step
+        if whole is not None:
+            del whole.forward
+        decoder.decode_layers, model.decode_step = plans, whole
     return [(ran, logits) for ran, logits in calls]
 
 
-def assert_same_steps(engine: LLMEngine) -> None:
-    fused, modules = step_logits(engine, True), step_logits(engine, False)
-    assert len(fused) == len(modules)
-    assert any(ran for ran, _ in fused), "no step ran the fused layers"
+def assert_same_steps(engine: LLMEngine, whole_step: bool = True) -> None:
+    """The logits of every step are the same bit for bit whether decode steps run the modules, the fused layers or
+    (whole_step) the fused whole step; each fused mode ran at least one step its own way."""
+    runs = {mode: step_logits(engine, mode) for mode in (MODES if whole_step else MODES[1:])}
+    modules = runs.pop("modules")
     assert not any(ran for ran, _ in modules)
-    for i, ((_, a), (_, b)) in enumerate(zip(fused, modules)):
-        assert torch.equal(a, b), f"step {i}"
+    for mode, fused in runs.items():
+        assert len(fused) == len(modules)
+        assert any(ran == mode for ran, _ in fused), f"no step ran the fused {mode}"
+        for i, ((_, a), (_, b)) in enumerate(zip(fused, modules)):
+            assert torch.equal(a, b), f"{mode}, step {i}"
 
 
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
@@ -73,7 +90,8 @@ def test_fused_layers_change_no_bit(model_type, tmp_path, caplog):
     if plans is None:  # the log says which layer and why
         assert "decode steps run the modules (layer " in caplog.text
         return
-    assert "decode steps run each layer as one C++ call" in caplog.text
+    assert "decode steps run as one C++ call" in caplog.text
+    assert engine.model.decode_step is not None and engine.model.decode_step.runs_lm_head
     assert_same_steps(engine)
 
 
@@ -89,14 +107,15 @@ def test_fused_layers_of_a_quantized_checkpoint(fmt, tmp_path):
     tiny_model(ARCHITECTURES["qwen3_moe"], torch.bfloat16, **JOINABLE).save_pretrained(tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / fmt, fmt, group_size=32 if fmt == "int4" else None)
     engine = engine_for(tmp_path / fmt)
-    assert engine.model.model.decode_layers is not None
+    assert engine.model.model.decode_layers is not None and engine.model.decode_step is not None
     assert_same_steps(engine)
 
 
 def test_batch_invariant_engines_run_the_modules(tmp_path):
     """Their attention is row_attention over each token's own keys, which the fused layer does not run."""
     tiny_model(ARCHITECTURES["qwen3_moe"], torch.bfloat16, **JOINABLE).save_pretrained(tmp_path)
-    assert engine_for(tmp_path, batch_invariant=True).model.model.decode_layers is None
+    model = engine_for(tmp_path, batch_invariant=True).model
+    assert model.model.decode_layers is None and model.decode_step is None
 
 
 def test_a_layer_that_cannot_fuse_says_why(tmp_path):
@@ -120,25 +139,27 @@ def test_the_profile_charges_fused_layers_to_their_groups(tmp_path):
 
 
 def test_expert_counts_see_the_fused_layers_routing(tmp_path):
-    """bench model's ExpertCounter counts the distinct experts of decode steps whether the layers run fused (their
-    routed_ids) or as modules (hooks on FusedMoE): the same counts, step by step."""
+    """bench model's ExpertCounter counts the distinct experts of decode steps whether the step runs fused (the
+    layers' routed_ids, after the whole step or after each layer) or as modules (hooks on FusedMoE): the same counts,
+    step by step."""
     from cpumoe.bench.model import ExpertCounter
     tiny_model(ARCHITECTURES["qwen3_moe"], torch.bfloat16, **JOINABLE).save_pretrained(tmp_path)
     engine = engine_for(tmp_path)
-    decoder = engine.model.model
-    plans = decoder.decode_layers
+    model, decoder = engine.model, engine.model.model
+    plans, whole = decoder.decode_layers, model.decode_step
     counts = {}
-    for fused in (True, False):
-        decoder.decode_layers = plans if fused else None
+    for mode in MODES:
+        decoder.decode_layers = plans if mode != "modules" else None
+        model.decode_step = whole if mode == "step" else None
         for i, prompt in enumerate(PROMPTS):
-            engine.add_request(f"{fused}-{i}", prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+            engine.add_request(f"{mode}-{i}", prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
         per_step = []
         with ExpertCounter(engine.model) as counter:
             while engine.has_unfinished():
                 counter.counting = True
                 engine.step()
                 per_step.append(counter.take())
-        counts[fused] = per_step
+        counts[mode] = per_step
         assert decoder.decode_routing_hooks == []
-    decoder.decode_layers = plans
-    assert counts[True] == counts[False] and any(c is not None for c in counts[True])
+    decoder.decode_layers, model.decode_step = plans, whole
+    assert counts["step"] == counts["layers"] == counts["modules"] and any(c is not None for c in counts["step"])
