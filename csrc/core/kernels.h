@@ -91,6 +91,7 @@ const KernelTable& kernels_arm_bfmmla();
 uint64_t stream_read_generic(const void* p, int64_t bytes);
 #if defined(__x86_64__)
 uint64_t stream_read_avx512(const void* p, int64_t bytes);
+uint64_t stream_read_avx2(const void* p, int64_t bytes);
 #endif
 
 }  // namespace cpumoe

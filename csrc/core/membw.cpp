@@ -33,6 +33,7 @@ double ReadBandwidthProbe::read_gbps() {
   uint64_t (*read)(const void*, int64_t) = stream_read_generic;
 #if defined(__x86_64__)
   if (cpu_has("avx512f")) read = stream_read_avx512;
+  else if (cpu_has("avx2")) read = stream_read_avx2;
 #endif
   std::vector<uint64_t> sums(workers_ * 8);  // one cache line per worker
   auto t0 = std::chrono::steady_clock::now();
