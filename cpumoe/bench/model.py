@@ -7,7 +7,8 @@
       throughput B x (input + output) / E2E
       decode     median time of the steps where every request decodes: tokens/s, and bytes read per step
                  (dense weights + the distinct experts the step's tokens chose, counted + KV cache) / time,
-                 against a 1 GiB streaming-read probe taken right before the case
+                 against the mean of 1 GiB streaming-read probes taken right before and right after the case (a
+                 shared machine's bandwidth drifts within minutes; both are in the JSON)
       prefill    2 FLOPs per active weight per prompt token, the lm_head once per prompt (attention's FLOPs not
                  counted) / (time to the last first token), against a torch.mm of 4096^3 in the model dtype
                  taken right before the case
@@ -73,11 +74,13 @@ class ModelResult:
     decode_gbs: float
     decode_experts_per_layer: float  # distinct experts per MoE layer in a decode step (measured)
     decode_bandwidth_pct: float
-    bandwidth_gbs: float
+    bandwidth_gbs: float           # what decode_bandwidth_pct is of: the mean of the probes around the case
     prefill_gflops: float
     prefill_mm_pct: float
     mm_gflops: float
     peak_rss_gb: float
+    bandwidth_before_gbs: float = float("nan")  # the read probe right before the case
+    bandwidth_after_gbs: float = float("nan")   # and right after it
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,15 +189,20 @@ class MachineLimits:
 
     def measure(self) -> tuple[float, float]:
         """-> (read GB/s, median of 3 probes; mm GFLOP/s)."""
-        probe = ops.ReadBandwidthProbe(self.probe_bytes)
-        bandwidth = statistics.median(probe.read_gbps() for _ in range(3))
-        del probe
+        bandwidth = self.measure_bandwidth()
         a = torch.randn(self.mm_size, self.mm_size).to(gemm_dtype(self.dtype))
         b = torch.randn(self.mm_size, self.mm_size).to(gemm_dtype(self.dtype))
         torch.mm(a, b)
         t = time.perf_counter()
         torch.mm(a, b)
         return bandwidth, 2 * self.mm_size**3 / (time.perf_counter() - t) / 1e9
+
+    def measure_bandwidth(self) -> float:
+        """Read GB/s, the median of 3 probes."""
+        probe = ops.ReadBandwidthProbe(self.probe_bytes)
+        bandwidth = statistics.median(probe.read_gbps() for _ in range(3))
+        del probe
+        return bandwidth
 
 
 class ExpertCounter:
@@ -282,6 +290,9 @@ def run_case(engine: LLMEngine, case: ModelCase, limits: MachineLimits, weights:
     decode_s = statistics.median(t for t, _ in decode_steps) if decode_steps else float("nan")
     decode_gbs = statistics.median(b / t for t, b in decode_steps) / 1e9 if decode_steps else float("nan")
     prefill_gflops = weights.prefill_flops(case.batch, case.input_len) / prefill_s / 1e9
+    peak_rss = peak_rss_gb()  # before the probe after the case allocates its buffer
+    bandwidth_before, bandwidth_after = bandwidth, limits.measure_bandwidth()
+    bandwidth = (bandwidth_before + bandwidth_after) / 2
     return ModelResult(
         backend=experts_backend(engine), batch=case.batch, input_len=case.input_len, output_len=case.output_len,
         ttft_ms=ttft * 1e3,
@@ -290,8 +301,9 @@ def run_case(engine: LLMEngine, case: ModelCase, limits: MachineLimits, weights:
         decode_tok_s=case.batch / decode_s, decode_gbs=decode_gbs,
         decode_experts_per_layer=statistics.mean(experts) if experts else float("nan"),
         decode_bandwidth_pct=100 * decode_gbs / bandwidth, bandwidth_gbs=bandwidth,
+        bandwidth_before_gbs=bandwidth_before, bandwidth_after_gbs=bandwidth_after,
         prefill_gflops=prefill_gflops, prefill_mm_pct=100 * prefill_gflops / mm_gflops, mm_gflops=mm_gflops,
-        peak_rss_gb=peak_rss_gb())
+        peak_rss_gb=peak_rss)
 
 
 def reset_peak_rss() -> None:
@@ -618,6 +630,14 @@ def batch_scaling(results: Sequence[ModelResult], weights: WeightBytes, *, count
     return rows
 
 
+def probe_span(result: dict) -> str:
+    """The read probes before and after a case ("% bw" is of their mean), or the one probe of an older report."""
+    before, after = result.get("bandwidth_before_gbs", float("nan")), result.get("bandwidth_after_gbs", float("nan"))
+    if before != before or after != after:  # NaN: not measured
+        return f"{result['bandwidth_gbs']:.1f}"
+    return f"{before:.1f} / {after:.1f}"
+
+
 def render_model_report(report: dict, console: Console) -> None:
     w = report["weights"]
     console.print(f"[bold]{report['model']}[/]  {report['dtype']}  weights [bold]{report.get('weights_format', '?')}[/]  "
@@ -628,16 +648,18 @@ def render_model_report(report: dict, console: Console) -> None:
     console.print(f"dense weights {w['dense'] / 1e9:.2f} GB, {w['moe_layers']} MoE layers x {w['experts']} experts "
                   f"x {w['expert'] / 1e6:.1f} MB (top-{w['top_k']}); peak RSS while loading (one engine at a "
                   f"time): {peaks}; KV cache {report['kv_cache_gb']:.2f} GB")
-    table = Table(title="model benchmark (ITL and throughput as MoE-Inference-Bench defines them)",
+    table = Table(title="model benchmark (ITL and throughput as MoE-Inference-Bench defines them; % bw: of the mean of "
+                        "the read probes before and after the case)",
                   title_justify="left")
     for name in ("batch", "in", "out", "experts", "TTFT ms", "ITL ms", "tok/s", "decode tok/s", "decode GB/s",
-                 "% bw", "prefill GFLOP/s", "% mm", "peak RSS GB"):
+                 "% bw", "probe GB/s", "prefill GFLOP/s", "% mm", "peak RSS GB"):
         table.add_column(name, justify="right", no_wrap=True)
     for r in report["results"]:
         table.add_row(str(r["batch"]), str(r["input_len"]), str(r["output_len"]), r["backend"],
                       f"{r['ttft_ms']:.1f}", f"{r['itl_ms']:.2f}", f"{r['throughput_tok_s']:.1f}",
                       f"{r['decode_tok_s']:.1f}", f"{r['decode_gbs']:.1f}", f"{r['decode_bandwidth_pct']:.0f}%",
-                      f"{r['prefill_gflops']:.0f}", f"{r['prefill_mm_pct']:.0f}%", f"{r['peak_rss_gb']:.2f}")
+                      probe_span(r), f"{r['prefill_gflops']:.0f}", f"{r['prefill_mm_pct']:.0f}%",
+                      f"{r['peak_rss_gb']:.2f}")
     console.print(table)
     ckpt, kv = report["checkpoint_gb"], report["kv_cache_gb"]
     serving = max(r["peak_rss_gb"] for r in report["results"])

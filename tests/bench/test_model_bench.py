@@ -30,6 +30,10 @@ def test_bench_model_json(tmp_path, capsys):
     for r in results:
         assert r["ttft_ms"] > 0 and r["itl_ms"] > 0 and r["throughput_tok_s"] > 0, r
         assert r["decode_gbs"] > 0 and r["prefill_gflops"] > 0 and r["peak_rss_gb"] > 0, r
+        # % bw is of the mean of the read probes right before and right after the case
+        assert r["bandwidth_before_gbs"] > 0 and r["bandwidth_after_gbs"] > 0, r
+        assert r["bandwidth_gbs"] == pytest.approx((r["bandwidth_before_gbs"] + r["bandwidth_after_gbs"]) / 2)
+        assert r["decode_bandwidth_pct"] == pytest.approx(100 * r["decode_gbs"] / r["bandwidth_gbs"])
     assert report["weights"]["moe_layers"] == 2 and report["weights"]["experts"] == 4
     w = report["weights"]
     assert w["head_elems"] == 400 * load_model(path).config.hidden_size  # the untied lm_head [V, H]
