@@ -95,18 +95,33 @@ def test_fused_layers_change_no_bit(model_type, tmp_path, caplog):
     assert_same_steps(engine)
 
 
+def test_a_tied_lm_head_runs_after_the_fused_step(tmp_path, caplog):
+    """The step stops at the final norm where the lm_head is not a packed linear of its own (tied to the embedding
+    table here), and compute_logits goes on: the same logits."""
+    tiny_model(ARCHITECTURES["qwen3_moe"], torch.bfloat16, tie_word_embeddings=True, **JOINABLE).save_pretrained(
+        tmp_path)
+    with caplog.at_level(logging.INFO, logger="cpumoe"):
+        engine = engine_for(tmp_path)
+    assert engine.model.lm_head is None and not engine.model.decode_step.runs_lm_head
+    assert "up to the final norm" in caplog.text
+    assert_same_steps(engine)
+
+
 def test_fused_layers_in_float32(tmp_path):
     tiny_model(ARCHITECTURES["qwen3_moe"], torch.float32, **JOINABLE).save_pretrained(tmp_path)
     assert_same_steps(engine_for(tmp_path, torch.float32))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_fused_layers_of_a_quantized_checkpoint(fmt, tmp_path):
-    """Quantized projections and experts (cpumoe quantize's layouts) run in the fused layers as in the modules."""
+@pytest.mark.parametrize("fmt, lm_head", [("int8", False), ("int4", False), ("int4", True)])
+def test_fused_layers_of_a_quantized_checkpoint(fmt, lm_head, tmp_path):
+    """Quantized projections and experts (cpumoe quantize's layouts), and a quantized lm_head, run in the fused
+    layers and step as in the modules."""
     from cpumoe.loader.quantized.convert import quantize_checkpoint
     tiny_model(ARCHITECTURES["qwen3_moe"], torch.bfloat16, **JOINABLE).save_pretrained(tmp_path / "bf16")
-    quantize_checkpoint(tmp_path / "bf16", tmp_path / fmt, fmt, group_size=32 if fmt == "int4" else None)
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / fmt, fmt, group_size=32 if fmt == "int4" else None,
+                        lm_head=lm_head)
     engine = engine_for(tmp_path / fmt)
+    assert (type(engine.model.lm_head).__name__ == "QuantizedLinear") == lm_head
     assert engine.model.model.decode_layers is not None and engine.model.decode_step is not None
     assert_same_steps(engine)
 
