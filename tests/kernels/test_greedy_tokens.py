@@ -31,6 +31,19 @@ def test_ties_take_the_first(vocab):
     assert out.tolist() == [3, vocab - 2, 0, 5]
 
 
+def test_the_maximum_at_every_position_of_the_blocks_and_the_tail():
+    logits = torch.full((50, 50), -3.0)
+    logits[torch.arange(50), torch.arange(50)] = 1.0   # row i: its maximum at i (blocks of 16, then a tail of 2)
+    logits[:, 49] = 0.5
+    assert ops.greedy_tokens(logits).tolist() == list(range(50))
+
+
+def test_signed_zeros_tie_as_argmax_ties_them():
+    logits = torch.tensor([[-1.0] * 20 + [-0.0, 0.0], [-1.0] * 3 + [0.0] + [-1.0] * 16 + [-0.0, -1.0]])
+    assert torch.equal(ops.greedy_tokens(logits), reference(logits))
+    assert ops.greedy_tokens(logits).tolist() == [20, 3]
+
+
 def test_a_row_with_a_nan_has_no_token_and_the_others_keep_theirs():
     logits = torch.randn(20, 40_000)
     logits[3, 0] = float("nan")
