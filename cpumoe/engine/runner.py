@@ -25,6 +25,12 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionContext, list[int]]:
         bs = self.kv_cache.block_size
+        if self._all_decode(batch):
+            ends = [seq.num_computed_tokens + 1 for seq in batch.seqs]
+            ids, context = AttentionContext.for_decode(
+                [seq.token_ids[end - 1] for seq, end in zip(batch.seqs, ends)], ends,
+                [seq.block_table[:-(-end // bs)] for seq, end in zip(batch.seqs, ends)], bs, self.kv_cache.layers)
+            return ids, context, list(range(len(ends)))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -44,6 +50,12 @@ class ModelRunner:
                                    context_lens=context_lens, slot_mapping=torch.tensor(slots, dtype=torch.long),
                                    block_tables=tables, kv_caches=self.kv_cache.layers)
         return torch.tensor(ids, dtype=torch.long), context, logits_indices
+
+    @staticmethod
+    def _all_decode(batch: ScheduledBatch) -> bool:
+        """Every sequence runs its last token, and nothing else: one new token, no drafts, and it samples."""
+        return bool(batch.seqs) and all(n == 1 and not drafts and seq.num_computed_tokens + 1 == seq.num_tokens
+                   for seq, n, drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts))
 
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:
