@@ -176,3 +176,32 @@ def test_stop_strings_against_a_reference(tokenizer):
             if hit:
                 break
         assert hit and detok.text == expected, (text, stop, detok.text, expected)
+
+
+def test_fast_tokenizer_decodes_by_its_backend_as_transformers_does(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from cpumoe.engine.detokenize import _decode_fn, _decodes_by_backend
+    hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert _decodes_by_backend(hf)
+    decode, rng = _decode_fn(hf), random.Random(0)
+    windows = [[rng.randrange(len(hf)) for _ in range(rng.randrange(1, 9))] for _ in range(500)]
+    windows.append([hf.convert_tokens_to_ids(EOS), *encode(hf, " a .b ,c"), hf.convert_tokens_to_ids(EOS)])
+    for ids in windows:
+        assert decode(ids) == hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), ids
+
+
+def test_a_tokenizer_with_its_own_decode_is_called_through_it(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from cpumoe.engine.detokenize import _decode_fn, _decodes_by_backend
+    hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    class Shouting(type(hf)):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    hf.__class__ = Shouting
+    assert not _decodes_by_backend(hf)
+    ids = encode(hf, "quiet words")
+    assert _decode_fn(hf)(ids) == "QUIET WORDS"
