@@ -1,7 +1,7 @@
 // Greedy sampling: each row's argmax over float32 logits, as torch.argmax picks it (the first of equal maxima), and
 // kNoToken for a row that holds a NaN (no token is "the most likely" there; torch.argmax would land on the NaN).
-// One pass a row and one call a step, where the sampler ran argmax, gather, isnan and masked_fill: four torch ops,
-// each run cold after a decode step's weights have streamed through the caches.
+// Two passes a row (greedy.cpp) and one call a step, where the sampler ran argmax, gather, isnan and masked_fill:
+// four torch ops, each run cold after a decode step's weights have streamed through the caches.
 #pragma once
 #include <cstdint>
 
