@@ -54,9 +54,8 @@ class ModelRunner:
     @staticmethod
     def _all_decode(batch: ScheduledBatch) -> bool:
         """Every sequence runs its last token, and nothing else: one new token, no drafts, and it samples."""
-        return bool(batch.seqs) and all(
-            n == 1 and not drafts and seq.num_computed_tokens + 1 == seq.num_tokens
-            for seq, n, drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts))
+        return bool(batch.seqs) and all(n == 1 and not batch.drafts[i] and batch.samples(i)
+                                        for i, n in enumerate(batch.num_new_tokens))
 
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:

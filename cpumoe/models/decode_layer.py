@@ -110,7 +110,6 @@ class FusedDecodeStep:
         self.decoder, self.rotaries, self.runs_lm_head = decoder, rotaries, lm_head is not None
         self.dtype = decoder.embed_tokens.weight.dtype
         self.layer_indices = [layer.layer_idx for layer in decoder.layers]
-        self._caches_of, self._caches = None, ([], [])  # the caches list last seen, and its layers' k and v lists
         self.plan = ops.DecodeModel(
             embedding=decoder.embed_tokens.weight.detach(), layers=decoder.decode_layers,
             rotary_of_layer=rotary_of_layer, final_norm=decoder.norm.weight.detach(), eps=decoder.norm.eps,
@@ -144,13 +143,12 @@ class FusedDecodeStep:
     def forward(self, input_ids: torch.Tensor, context: AttentionContext, decode: DecodeBatch) -> torch.Tensor:
         """input_ids [S] (each sequence's one new token) -> float32 logits [S, V], or the final hidden states [S, H]
         when not runs_lm_head."""
-        tables = [rotary.tables(self.dtype, max(context.context_lens)) for rotary in self.rotaries]
-        if context.kv_caches is not self._caches_of:  # an engine passes the same list every step
-            caches = [context.kv_caches[i] for i in self.layer_indices]
-            self._caches_of, self._caches = context.kv_caches, ([k for k, _ in caches], [v for _, v in caches])
-        out = self.plan.forward(input_ids, context.positions, context.slot_mapping, *self._caches, decode.block_table,
-                                decode.key_begin, decode.key_end, [cos for cos, _ in tables],
-                                [sin for _, sin in tables])
+        length = max(context.context_lens)
+        tables = [rotary.tables(self.dtype, length) for rotary in self.rotaries]
+        caches = [context.kv_caches[i] for i in self.layer_indices]
+        out = self.plan.forward(input_ids, context.positions, context.slot_mapping, [k for k, _ in caches],
+                                [v for _, v in caches], decode.block_table, decode.key_begin, decode.key_end,
+                                [cos for cos, _ in tables], [sin for _, sin in tables])
         for layer in self.decoder.decode_layers if self.decoder.decode_routing_hooks else ():
             for hook in self.decoder.decode_routing_hooks:
                 hook(layer.routed_ids())
