@@ -70,15 +70,18 @@ def linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.cpumoe.linear(x, packed_weight, bias, backend=backend, out_features=out_features)
 
 
-def quant_packed_shape(format: str, rows: int, cols: int, group_size: int, w13: bool) -> tuple[int, int]:
-    """(blocks, bytes per block) of one packed quantized matrix [rows, cols] (group_size 0: a whole row)."""
-    return _C.quant_packed_shape(format, rows, cols, group_size, w13)
+def quant_packed_shape(format: str, rows: int, cols: int, group_size: int, w13: bool,
+                       symmetric: bool = False) -> tuple[int, int]:
+    """(blocks, bytes per block) of one packed quantized matrix [rows, cols] (group_size 0: a whole row);
+    symmetric: int4 packed without zero points, as pack_quant packs it when given none."""
+    return _C.quant_packed_shape(format, rows, cols, group_size, w13, symmetric)
 
 
 def pack_quant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *, format: str,
                group_size: int, w13: bool) -> torch.Tensor:
     """Canonical quantized weights (cpumoe.quant.QuantizedWeight tensors) [E, N, K] -> uint8 blocks
-    [E, blocks, bytes] in csrc/core/quant.h's layout of `format` (one layout for every backend)."""
+    [E, blocks, bytes] in csrc/core/quant.h's layout of `format` (one layout for every backend). int4 without
+    zeros (symmetric, zero point 8) packs without them: its blocks hold the scales alone."""
     return torch.ops.cpumoe.pack_quant(qweight, scales, zeros, format=format, group_size=group_size, w13=w13)
 
 
@@ -223,7 +226,8 @@ def _fused_experts_fake(hidden_states, w13, w2, topk_weights, topk_ids, *, backe
 
 @torch.library.register_fake("cpumoe::pack_quant")
 def _pack_quant_fake(qweight, scales, zeros, *, format, group_size, w13):
-    blocks, nbytes = quant_packed_shape(format, qweight.shape[1], qweight.shape[2], group_size, w13)
+    blocks, nbytes = quant_packed_shape(format, qweight.shape[1], qweight.shape[2], group_size, w13,
+                                        symmetric=zeros is None and format == "int4_w4a16")
     return qweight.new_empty((qweight.shape[0], blocks, nbytes), dtype=torch.uint8)
 
 

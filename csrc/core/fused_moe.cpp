@@ -105,10 +105,10 @@ Geometry geometry(const FusedMoeArgs& a) {
   if (a.quant) {
     g.k13 = round_up(a.H, kQuantKAlign);
     g.blocks13 = a.I / kW13BlockInter;
-    g.bytes13 = quant_block_bytes(a.format, g.k13, a.group13);
+    g.bytes13 = quant_block_bytes(a.format, g.k13, a.group13, a.symmetric13);
     g.k2 = a.I;
     g.blocks2 = round_up(a.H, kBlockCols) / kBlockCols;
-    g.bytes2 = quant_block_bytes(a.format, a.I, a.group2);
+    g.bytes2 = quant_block_bytes(a.format, a.I, a.group2, a.symmetric2);
     g.max_rows = a.quant->max_rows;
     g.int8_rows = quant_int8_activations(a.format);
   } else {
@@ -232,6 +232,7 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
     t.dtype = geo.int8_rows ? DType::kFloat32 : a.dtype;
     t.act = a.act;
     t.group = a.group13;
+    t.symmetric = a.symmetric13;
     w13_tile(t);
   });
 
@@ -258,6 +259,7 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
     t.out_cols = int(std::min<int64_t>(kBlockCols, H - it.block * kBlockCols));
     t.dtype = a.dtype;
     t.group = a.group2;
+    t.symmetric = a.symmetric2;
     w2_tile(t);
   });
 

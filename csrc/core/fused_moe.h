@@ -31,6 +31,7 @@ struct FusedMoeArgs {
   const QuantKernel* quant = nullptr;    // set: w13/w2 are quant.h blocks of `format`
   QuantFormat format = QuantFormat::kInt8W8A8;
   int64_t group13 = 0, group2 = 0;       // quantized: the tiles' group for w13 (K = H) and w2 (K = Ip)
+  bool symmetric13 = false, symmetric2 = false;  // int4: w13 / w2 blocks without zero points (quant.h)
   DType dtype = DType::kBFloat16;
   Activation act = Activation::kSilu;
   int64_t M = 0, H = 0, I = 0, topk = 0;  // I: the packed (padded) intermediate size

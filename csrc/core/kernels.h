@@ -19,6 +19,7 @@ struct GemmTile {
   DType dtype;                // activation and weight dtype (quantized formats: see quant.h)
   Activation act;             // w13 only
   int64_t group;              // quantized formats: the format's group size g (quant.h); else unused
+  bool symmetric;             // int4_w4a16: blocks without zero points (quant.h); else unused
 };
 
 // Decode attention over a paged KV cache (attention.h drives it): one query token per sequence, the g = nh /

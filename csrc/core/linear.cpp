@@ -14,7 +14,7 @@ void linear(const LinearArgs& a, const Parallel& parallel) {
   if (a.quant) {
     Kp = round_up(a.K, kQuantKAlign);
     blocks = round_up(a.N, kBlockCols) / kBlockCols;
-    block_bytes = quant_block_bytes(a.format, Kp, a.group);
+    block_bytes = quant_block_bytes(a.format, Kp, a.group, a.symmetric);
   } else {
     const PackedShape s = w2_packed_shape(a.N, a.K, a.kernels->layout);  // blocks of 64 outputs, k = K rounded to 32
     Kp = s.k, blocks = s.blocks, block_bytes = s.block_elems * es;
@@ -61,6 +61,7 @@ void linear(const LinearArgs& a, const Parallel& parallel) {
     t.out_cols = int(std::min<int64_t>(kBlockCols, a.N - block * kBlockCols));
     t.dtype = a.dtype;
     t.group = a.group;
+    t.symmetric = a.symmetric;
     tile(t);
   });
   parallel_items(parallel, a.M, [&](int64_t m) {

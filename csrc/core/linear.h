@@ -14,6 +14,7 @@ struct LinearArgs {
   const QuantKernel* quant = nullptr;    // set: w is quant.h blocks of `format` (one expert's w2 of H = N, I = K)
   QuantFormat format = QuantFormat::kInt8W8A8;
   int64_t group = 0;                     // the tiles' group (quant_packed_shape(...).group)
+  bool symmetric = false;                // int4: blocks without zero points (quant.h)
   DType dtype = DType::kBFloat16;        // of x and out
   int64_t M = 0, K = 0, N = 0;
   const void* x = nullptr;      // [M][K]

@@ -34,7 +34,9 @@
 //               (so a 64-byte load & 0xF is a VNNI k-quad for 16 columns and >> 4 the next quad; any
 //                16-byte quarter is 4 columns x 4 k for SDOT, and zipping the two gives SMMLA's 2 x 8.)
 //               then per group G (Kp/g of them): f32 scale[64], f32 zero[64]                 +512*Kp/g bytes
-//               value = (q - zero) * scale; symmetric checkpoints have zero = 8.
+//               value = (q - zero) * scale. Symmetric weights (no zero points: zero = 8, as GPTQ's and
+//               compressed-tensors' symmetric int4) keep f32 scale[64] alone per group     +256*Kp/g bytes
+//               (6% fewer bytes at g = 128); the tiles then take their zeros from kInt4SymmetricZeros.
 //               g (group size) is 32, 64, 128, ... dividing Kp (whole channel: g = Kp).
 //
 //   fp8_w8a16   [Kp/2][64][2] e4m3 bytes: byte (k/2*64 + n)*2 + k%2 = w[n][k]                 64*Kp bytes
@@ -87,12 +89,25 @@ inline const char* quant_format_name(QuantFormat f) {
 // True for the formats whose activations are quantized to int8 per token.
 inline bool quant_int8_activations(QuantFormat f) { return f != QuantFormat::kFp8W8A16; }
 
+// int4_w4a16 metadata: floats per group (scale[64], and zero[64] unless symmetric), and a group's zeros.
+inline int64_t int4_group_floats(bool symmetric) { return symmetric ? 64 : 128; }
+struct Int4SymmetricZeros {
+  alignas(64) float z[64];
+  constexpr Int4SymmetricZeros() : z() {
+    for (float& v : z) v = 8.0f;
+  }
+};
+inline constexpr Int4SymmetricZeros kInt4SymmetricZeros{};
+inline const float* int4_zeros(const float* group_scales, bool symmetric) {
+  return symmetric ? kInt4SymmetricZeros.z : group_scales + 64;
+}
+
 // Bytes of one packed block of 64 columns over Kp (already padded) with group size g (int4: group, fp8:
-// k-chunk; ignored by int8 and mxfp4).
-inline int64_t quant_block_bytes(QuantFormat f, int64_t Kp, int64_t g) {
+// k-chunk; ignored by int8 and mxfp4); symmetric: an int4 block without zero points.
+inline int64_t quant_block_bytes(QuantFormat f, int64_t Kp, int64_t g, bool symmetric = false) {
   switch (f) {
     case QuantFormat::kInt8W8A8: return 64 * Kp + 512;
-    case QuantFormat::kInt4W4A16: return 32 * Kp + 512 * (Kp / g);
+    case QuantFormat::kInt4W4A16: return 32 * Kp + 4 * int4_group_floats(symmetric) * (Kp / g);
     case QuantFormat::kFp8W8A16: return 64 * Kp + 256 * ((Kp + g - 1) / g);
     default: return 34 * Kp;
   }

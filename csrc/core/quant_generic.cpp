@@ -53,8 +53,8 @@ void dot_int4(const GemmTile& t, const uint8_t* a, float* y) {
       }
     int32_t asum = 0;
     for (int64_t c = G * g / 32; c < (G + 1) * g / 32; ++c) asum += sums[c];
-    const float* scale = meta + G * 128;
-    const float* zero = scale + 64;
+    const float* scale = meta + G * int4_group_floats(t.symmetric);
+    const float* zero = int4_zeros(scale, t.symmetric);
     for (int n = 0; n < kBlockCols; ++n) out[n] += scale[n] * (float(acc[n]) - zero[n] * float(asum));
   }
   for (int n = 0; n < kBlockCols; ++n) y[n] = out[n] * ascale;

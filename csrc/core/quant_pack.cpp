@@ -62,12 +62,14 @@ void pack_block(const QuantSource& s, const QuantPackedShape& shape, const RowVi
     case QuantFormat::kInt4W4A16: {
       pack_nibbles(code, Kp, out);
       const int64_t groups = Kp / shape.group, src_groups = scale_cols(s);
+      const bool symmetric = packs_symmetric(s);
+      const int64_t stride = int4_group_floats(symmetric);
       float* meta = reinterpret_cast<float*>(out + 32 * Kp);
       for (int64_t g = 0; g < groups; ++g)
         for (int n = 0; n < kBlockCols; ++n) {
           const bool have = rows[n].codes && g < src_groups;
-          meta[g * 128 + n] = have ? fs[n][g] : 0.0f;
-          meta[g * 128 + 64 + n] = have && rows[n].zeros ? float(rows[n].zeros[g]) : 8.0f;
+          meta[g * stride + n] = have ? fs[n][g] : 0.0f;
+          if (!symmetric) meta[g * stride + 64 + n] = have ? float(rows[n].zeros[g]) : 8.0f;
         }
       break;
     }
@@ -94,7 +96,7 @@ void pack_block(const QuantSource& s, const QuantPackedShape& shape, const RowVi
 
 }  // namespace
 
-QuantPackedShape quant_packed_shape(QuantFormat f, int64_t N, int64_t K, int64_t group, bool w13) {
+QuantPackedShape quant_packed_shape(QuantFormat f, int64_t N, int64_t K, int64_t group, bool w13, bool symmetric) {
   const int64_t Kp = round_up(K, kQuantKAlign);
   int64_t g = 0;
   if (f == QuantFormat::kInt4W4A16) {
@@ -114,11 +116,11 @@ QuantPackedShape quant_packed_shape(QuantFormat f, int64_t N, int64_t K, int64_t
     g = Kp;
   }
   const int64_t blocks = w13 ? round_up(N / 2, kW13BlockInter) / kW13BlockInter : round_up(N, kBlockCols) / kBlockCols;
-  return {blocks, quant_block_bytes(f, Kp, g), Kp, g};
+  return {blocks, quant_block_bytes(f, Kp, g, symmetric && f == QuantFormat::kInt4W4A16), Kp, g};
 }
 
 void pack_quant(const QuantSource& s, bool w13, uint8_t* dst, int64_t e_begin, int64_t e_end) {
-  const QuantPackedShape shape = quant_packed_shape(s.format, s.N, s.K, s.group, w13);
+  const QuantPackedShape shape = quant_packed_shape(s.format, s.N, s.K, s.group, w13, packs_symmetric(s));
   const int64_t cols = scale_cols(s);
   const int64_t scale_bytes = s.format == QuantFormat::kMxfp4W4A16 ? 1 : 4;
   const int64_t I = s.N / 2;

@@ -91,9 +91,10 @@ const QuantKernel& quant_kernel_or_throw(const std::string& name, QuantFormat f)
   return *k;
 }
 
-QuantPackedShape quant_shape_or_throw(QuantFormat f, int64_t N, int64_t K, int64_t group, bool w13) {
+QuantPackedShape quant_shape_or_throw(QuantFormat f, int64_t N, int64_t K, int64_t group, bool w13,
+                                      bool symmetric = false) {
   try {
-    return quant_packed_shape(f, N, K, group, w13);
+    return quant_packed_shape(f, N, K, group, w13, symmetric);
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
@@ -138,7 +139,7 @@ at::Tensor pack_w2_op(const at::Tensor& w2, std::string_view kernel) { return pa
 
 // Blocks of a packing of `rows` rows like `info`'s.
 int64_t packed_blocks(const PackedInfo& info, int64_t rows) {
-  return info.quant ? quant_shape_or_throw(info.format, rows, info.cols, info.group, false).blocks
+  return info.quant ? quant_shape_or_throw(info.format, rows, info.cols, info.group, false, info.symmetric).blocks
                     : w2_packed_shape(rows, info.cols, info.layout).blocks;
 }
 
@@ -155,7 +156,8 @@ at::Tensor join_packed_rows(const std::vector<at::Tensor>& parts) {
     const std::string name = "parts[" + std::to_string(i) + "]";
     const PackedInfo info = packed_info_or_throw(parts[i], name.c_str());
     const bool same = !info.w13 && info.quant == first.quant && info.cols == first.cols &&
-                      (info.quant ? info.format == first.format && info.group == first.group
+                      (info.quant ? info.format == first.format && info.group == first.group &&
+                                        info.symmetric == first.symmetric
                                   : info.layout == first.layout && std::string(info.backend) == first.backend) &&
                       parts[i].dim() == 3 && parts[i].size(0) == 1 && parts[i].size(2) == parts[0].size(2) &&
                       parts[i].scalar_type() == parts[0].scalar_type();
@@ -318,7 +320,8 @@ at::Tensor pack_quant_op(const at::Tensor& qweight, const at::Tensor& scales, co
   TORCH_CHECK_VALUE(E > 0 && N > 0 && K > 0, what, " has an empty dimension: ", qweight.sizes());
   TORCH_CHECK_VALUE(!w13 || N % 2 == 0, "w13 qweight must be [E, 2*I, H] (gate rows then up rows), got ",
                     qweight.sizes());
-  const QuantPackedShape shape = quant_shape_or_throw(f, N, K, group_size, w13);
+  const bool symmetric = f == QuantFormat::kInt4W4A16 && !zeros;  // packed without zero points (quant.h)
+  const QuantPackedShape shape = quant_shape_or_throw(f, N, K, group_size, w13, symmetric);
   int64_t cols = 1;
   at::ScalarType want_s = at::kFloat;
   std::vector<int64_t> want{E, N};
@@ -345,7 +348,8 @@ at::Tensor pack_quant_op(const at::Tensor& qweight, const at::Tensor& scales, co
   src.zeros = zp;
   src.N = N, src.K = K, src.group = group_size == K ? 0 : group_size;
   PackedInfo info;
-  info.quant = true, info.format = f, info.group = src.group, info.w13 = w13, info.rows = N, info.cols = K;
+  info.quant = true, info.format = f, info.group = src.group, info.symmetric = symmetric, info.w13 = w13;
+  info.rows = N, info.cols = K;
   at::Tensor out = empty_packed({E, shape.blocks, shape.block_bytes}, at::kByte, info);
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, E, 1, [&](int64_t b, int64_t e) { pack_quant(src, w13, dst, b, e); });
@@ -358,7 +362,7 @@ QuantPackedShape check_quant_packed(const at::Tensor& w, const char* what, Quant
   check_dense(w, what, 3);
   TORCH_CHECK_VALUE(w.scalar_type() == at::kByte, what, " must be the uint8 blocks pack_quant makes, got ",
                     w.scalar_type());
-  const QuantPackedShape s = quant_shape_or_throw(f, N, K, group_size, w13);
+  const QuantPackedShape s = quant_shape_or_throw(f, N, K, group_size, w13, packed_info_or_throw(w, what).symmetric);
   TORCH_CHECK_VALUE(w.size(1) == s.blocks && w.size(2) == s.block_bytes, what, " has shape ", w.sizes(),
                     ", expected [E, ", s.blocks, ", ", s.block_bytes, "] for ", quant_format_name(f), " with N=", N,
                     ", K=", K, ", group ", group_size, " (packed for another shape or format?)");
@@ -392,6 +396,8 @@ at::Tensor fused_experts_quant(const at::Tensor& hidden, const at::Tensor& w13, 
   a.format = f;
   a.group13 = s13.group;
   a.group2 = s2.group;
+  a.symmetric13 = packed_info_or_throw(w13, "packed w13").symmetric;
+  a.symmetric2 = packed_info_or_throw(w2, "packed w2").symmetric;
   a.dtype = dt;
   a.act = to_activation(std::string(activation));
   return run_fused(a, hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map,
@@ -440,6 +446,7 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& w, const std::opt
   a.quant = &qk;
   a.format = f;
   a.group = s.group;
+  a.symmetric = packed_info_or_throw(w, "packed linear weight").symmetric;
   a.dtype = dt;
   return run_linear(a, x, w, bias, out_features);
 }
@@ -762,10 +769,13 @@ PYBIND11_MODULE(_C, m) {
     return out;
   }, "(name, why unavailable or '', layout, rows per tile, dtypes, quantized formats) for every kernel backend, "
      "fastest first");
-  m.def("quant_packed_shape", [](const std::string& format, int64_t N, int64_t K, int64_t group, bool w13) {
-    auto s = cpumoe::quant_shape_or_throw(cpumoe::to_format(format), N, K, group, w13);
+  m.def("quant_packed_shape", [](const std::string& format, int64_t N, int64_t K, int64_t group, bool w13,
+                                 bool symmetric) {
+    auto s = cpumoe::quant_shape_or_throw(cpumoe::to_format(format), N, K, group, w13, symmetric);
     return std::make_tuple(s.blocks, s.block_bytes);
-  }, "(blocks, bytes per block) of one packed quantized matrix [N, K]");
+  }, "(blocks, bytes per block) of one packed quantized matrix [N, K]; symmetric: int4 without zero points",
+  pybind11::arg("format"), pybind11::arg("N"), pybind11::arg("K"), pybind11::arg("group"), pybind11::arg("w13"),
+  pybind11::arg("symmetric") = false);
   m.def("packed_shapes", [](int64_t H, int64_t I, const std::string& kernel) {
     const cpumoe::KernelTable& kt = cpumoe::kernel_or_throw(kernel);
     auto a = cpumoe::w13_packed_shape(H, I, kt.layout), b = cpumoe::w2_packed_shape(H, I, kt.layout);

@@ -23,11 +23,13 @@ struct PackedInfo {
   const char* backend = "";   // dense: the backend it was packed for (a static name; named in errors)
   QuantFormat format{};       // quantized: the format and group size (0 = a whole row)
   int64_t group = 0;
+  bool symmetric = false;     // int4: blocks without zero points (quant.h)
   bool w13 = false;           // w13 [2I, H] per expert, else w2 or a linear [N, K]
   int64_t rows = 0, cols = 0; // the unpacked matrix per expert: w13 [2I, H], w2 [H, I], linear [N, K]
 
   std::string describe() const {
-    std::string s = quant ? std::string(quant_format_name(format)) + " group " + std::to_string(group)
+    std::string s = quant ? std::string(quant_format_name(format)) + (symmetric ? " symmetric" : "") + " group " +
+                                std::to_string(group)
                           : "backend '" + std::string(backend) + "'";
     return s + (w13 ? " w13 " : " w2/linear ") + "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
   }

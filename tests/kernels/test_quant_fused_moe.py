@@ -201,3 +201,53 @@ def test_activation_rounding_ties_and_nan(backend):
     assert torch.equal(y[0], x[0].round()), (y[0], x[0].round())
     assert torch.equal(y[1], torch.zeros(K))
     assert torch.isnan(y[2]).all()
+
+
+def _zero_points_of_8(w):
+    """The same int4 weight with its implied zero points written out: 8 for every group."""
+    return torch.full_like(w.scales, 8, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("backend", native_backends_for("int4_w4a16", torch.bfloat16))
+@pytest.mark.parametrize("group", [32, 128, 0], ids=["g32", "g128", "row"])
+def test_symmetric_int4_packs_without_zero_points(backend, group):
+    """Symmetric int4 (no zeros) packs scales alone: 256 bytes a group instead of 512, and every tile gives the bits
+    of the same weights packed with zero points of 8, in the fused experts and the dense linear."""
+    p = make_problem(MoECase(M=9, H=256, I=128, E=4, k=2), torch.bfloat16)
+    w13, w2 = quantized(p, "int4_w4a16", group, True)
+    assert w13.zeros is None
+    ops = cpumoe.ops
+    packs = {}
+    for name, w, is_w13 in (("w13", w13, True), ("w2", w2, False)):
+        sym = ops.pack_quant(w.qweight, w.scales, None, format="int4_w4a16", group_size=group, w13=is_w13)
+        zp = ops.pack_quant(w.qweight, w.scales, _zero_points_of_8(w), format="int4_w4a16", group_size=group,
+                            w13=is_w13)
+        K, Kp = w.qweight.shape[-1], (w.qweight.shape[-1] + 31) // 32 * 32
+        groups = Kp // (group or Kp)
+        assert sym.shape[-1] == 32 * Kp + 256 * groups and zp.shape[-1] == 32 * Kp + 512 * groups
+        assert ops.quant_packed_shape("int4_w4a16", w.qweight.shape[1], K, group, is_w13, symmetric=True)[1] == \
+            sym.shape[-1]
+        packs[name] = (sym, zp)
+    call = dict(backend=backend, format="int4_w4a16", group_size=group, activation="silu")
+    sym_out = ops.fused_experts_quant(p.x, packs["w13"][0], packs["w2"][0], p.topk_weights, p.topk_ids, **call)
+    zp_out = ops.fused_experts_quant(p.x, packs["w13"][1], packs["w2"][1], p.topk_weights, p.topk_ids, **call)
+    assert torch.equal(sym_out, zp_out)
+    # one expert's w2 [H, I] as a linear of I -> H
+    lin = {kind: ops.pack_quant(w2.qweight[:1], w2.scales[:1], zeros, format="int4_w4a16",
+                                group_size=group, w13=False)
+           for kind, zeros in (("sym", None), ("zp", _zero_points_of_8(w2)[:1]))}
+    x = p.x[:, :w2.qweight.shape[-1]].contiguous()
+    outs = [ops.linear_quant(x, lin[kind], None, backend=backend, format="int4_w4a16",
+                             group_size=group, out_features=w2.qweight.shape[1])
+            for kind in ("sym", "zp")]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_symmetric_and_zero_point_int4_do_not_join():
+    """join_packed_rows refuses parts of the two int4 packings: their blocks differ in size and layout."""
+    w = quantize(torch.randn(64, 128), "int4_w4a16", 32)
+    sym = cpumoe.ops.pack_quant(w.qweight[None], w.scales[None], None, format="int4_w4a16", group_size=32, w13=False)
+    zp = cpumoe.ops.pack_quant(w.qweight[None], w.scales[None], _zero_points_of_8(w)[None], format="int4_w4a16",
+                               group_size=32, w13=False)
+    with pytest.raises(ValueError, match="symmetric"):
+        cpumoe.ops.join_packed_rows([sym, zp])

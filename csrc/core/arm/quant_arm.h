@@ -40,9 +40,9 @@ inline float a8_group_sum(const A8Row& r, int64_t k0, int64_t g) {
 inline const float* int8_col_scales(const GemmTile& t) {
   return reinterpret_cast<const float*>(static_cast<const char*>(t.b) + 64 * t.k);
 }
-// int4_w4a16: group G's f32 scale[64] (zero[64] follows) after the 32 * Kp code bytes.
+// int4_w4a16: group G's f32 scale[64] (zero[64] follows unless symmetric) after the 32 * Kp code bytes.
 inline const float* int4_group_meta(const GemmTile& t, int64_t G) {
-  return reinterpret_cast<const float*>(static_cast<const char*>(t.b) + 32 * t.k + 512 * G);
+  return reinterpret_cast<const float*>(static_cast<const char*>(t.b) + 32 * t.k) + int4_group_floats(t.symmetric) * G;
 }
 
 // The 4-bit codes of one 16-byte quarter of a k-octet (int4_w4a16 and mxfp4_w4a16 share the order: columns

@@ -118,7 +118,7 @@ inline void nibble_pass(const GemmTile& t, const A8Row (&rows)[R], int col0, flo
       continue;
     }
     const float* scale = int4_group_meta(t, grp) + col0;
-    const float* zero = scale + kBlockCols;
+    const float* zero = int4_zeros(scale - col0, t.symmetric) + col0;
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const float sum_a = a8_group_sum(rows[r], k0, t.group);

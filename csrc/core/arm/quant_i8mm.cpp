@@ -131,7 +131,7 @@ inline void nibble_pass(const GemmTile& t, const A8Row (&rows)[R], const int8_t*
       continue;
     }
     const float* scale = int4_group_meta(t, grp);
-    const float* zero = scale + kBlockCols;
+    const float* zero = int4_zeros(scale, t.symmetric);
     float32x4_t sum_a[P];  // [S(r0), S(r0), S(r1), S(r1)], as the accumulators' rows
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {

@@ -154,16 +154,18 @@ struct Int4Dot {
   static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
     const uint8_t* b = static_cast<const uint8_t*>(t.b);
     const int64_t Kp = t.k, g = t.group;
-    const float* meta = reinterpret_cast<const float*>(b + 32 * Kp);  // per group: scale[64], zero[64]
-    const CodeStream stream{b, 32 * Kp, 512 * (Kp / g)};
+    const float* meta = reinterpret_cast<const float*>(b + 32 * Kp);  // per group: scale[64] (, zero[64])
+    const int64_t stride = int4_group_floats(t.symmetric);             // floats of a group's metadata
+    const CodeStream stream{b, 32 * Kp, 4 * stride * (Kp / g)};
     const qx86::A8Rows<R> rows(t);
     const auto& a = rows.a;
     const auto& sums = rows.sums;
     float ys[R][64] = {};
     int32_t held[R][64];  // a group's int32 sums between its chunks
-    prefetch_meta(meta, 512);
+    prefetch_meta(meta, int(4 * stride));
     for (int64_t k0 = 0; k0 < Kp; k0 += g) {
-      prefetch_meta(k0 + g < Kp ? static_cast<const void*>(meta + 128 * (k0 / g + 1)) : stream.next_meta(), 512);
+      prefetch_meta(k0 + g < Kp ? static_cast<const void*>(meta + stride * (k0 / g + 1)) : stream.next_meta(),
+                    int(4 * stride));
       for (int64_t c0 = k0; c0 < k0 + g; c0 += kChunkK) {
         const int64_t c1 = std::min(c0 + kChunkK, k0 + g);
         for (int v0 = 0; v0 < 8; v0 += V) {
@@ -177,12 +179,15 @@ struct Int4Dot {
               for (int v = 0; v < V; ++v) store_i32x8(held[r] + 8 * (v0 + v), acc[r][v]);
             continue;
           }
-          const float* sw = meta + 128 * (k0 / g) + 8 * v0;
+          const float* scale = meta + stride * (k0 / g);
+          const float* sw = scale + 8 * v0;
+          const float* zero = int4_zeros(scale, t.symmetric) + 8 * v0;
           for (int r = 0; r < R; ++r) {
             const __m256 sum_a = _mm256_set1_ps(float(qx86::a8_sum(sums[r], k0, k0 + g)));
             for (int v = 0; v < V; ++v) {  // unfused, in quant_generic's order (see the header)
               float* tot = ys[r] + 8 * (v0 + v);
-              const __m256 d = _mm256_sub_ps(_mm256_cvtepi32_ps(acc[r][v]), _mm256_mul_ps(_mm256_loadu_ps(sw + 64 + 8 * v), sum_a));
+              const __m256 d = _mm256_sub_ps(_mm256_cvtepi32_ps(acc[r][v]),
+                                             _mm256_mul_ps(_mm256_loadu_ps(zero + 8 * v), sum_a));
               _mm256_storeu_ps(tot, _mm256_add_ps(_mm256_loadu_ps(tot), _mm256_mul_ps(_mm256_loadu_ps(sw + 8 * v), d)));
             }
           }

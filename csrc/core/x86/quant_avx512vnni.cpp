@@ -95,7 +95,8 @@ struct Int4Dot {
   static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
     const uint8_t* b = static_cast<const uint8_t*>(t.b);
     const int64_t Kp = t.k, g = t.group;
-    const float* meta = reinterpret_cast<const float*>(b + 32 * Kp);  // per group: scale[64], zero[64]
+    const float* meta = reinterpret_cast<const float*>(b + 32 * Kp);  // per group: scale[64] (, zero[64])
+    const int64_t stride = int4_group_floats(t.symmetric);             // floats of a group's metadata
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     const qx86::A8Rows<R> rows(t);
     const auto& a = rows.a;
@@ -105,8 +106,8 @@ struct Int4Dot {
       for (int c = 0; c < 4; ++c) tot[r][c] = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < Kp; k0 += g) {
       // The next group's scales and zeros lie past the codes, off the stream the prefetch above follows.
-      if (k0 + g < Kp) prefetch_lines<R>(meta + 128 * ((k0 + g) / g), 8, 0);
-      else prefetch_lines<R>(b + 2 * (32 * Kp) + 512 * (Kp / g), 8, 0);  // the next block's first group's
+      if (k0 + g < Kp) prefetch_lines<R>(meta + stride * ((k0 + g) / g), int(stride / 16), 0);
+      else prefetch_lines<R>(b + 2 * (32 * Kp) + 4 * stride * (Kp / g), int(stride / 16), 0);  // the next block's
       // Streaming tiles take the high nibbles in place (16 q) into accumulators of their own: an AND instead
       // of a shift and an AND, and two independent dot chains (6% at M = 1 in an interleaved A/B); acc_hi is a
       // multiple of 16, so acc + acc_hi / 16 is exact. Larger tiles would spill the extra accumulators.
@@ -115,7 +116,7 @@ struct Int4Dot {
         for (int c = 0; c < 4; ++c) acc[r][c] = acc_hi[r][c] = _mm512_setzero_si512();
       for (int64_t s = k0 / 8; s < (k0 + g) / 8; ++s) {  // k-octets: 256 bytes, 64 columns x 8 k
         const __m512i* bs = reinterpret_cast<const __m512i*>(b + 256 * s);
-        prefetch_codes<R>(b, 256 * s, 32 * Kp, 512 * (Kp / g), 4);
+        prefetch_codes<R>(b, 256 * s, 32 * Kp, 4 * stride * (Kp / g), 4);
         for (int c = 0; c < 4; ++c) {
           const __m512i raw = _mm512_loadu_si512(bs + c);
           const __m512i lo = _mm512_and_si512(raw, low4);
@@ -134,11 +135,12 @@ struct Int4Dot {
       if constexpr (R <= kStreamRows)
         for (int r = 0; r < R; ++r)
           for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_add_epi32(acc[r][c], _mm512_srai_epi32(acc_hi[r][c], 4));
-      const float* scale = meta + 128 * (k0 / g);
+      const float* scale = meta + stride * (k0 / g);
+      const float* zeros = int4_zeros(scale, t.symmetric);
       __m512 sum_a[R];
       for (int r = 0; r < R; ++r) sum_a[r] = _mm512_set1_ps(float(qx86::a8_sum(sums[r], k0, k0 + g)));
       for (int c = 0; c < 4; ++c) {
-        const __m512 sw = _mm512_loadu_ps(scale + 16 * c), zero = _mm512_loadu_ps(scale + 64 + 16 * c);
+        const __m512 sw = _mm512_loadu_ps(scale + 16 * c), zero = _mm512_loadu_ps(zeros + 16 * c);
         for (int r = 0; r < R; ++r) {  // unfused, in quant_generic's order (see the header)
           const __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_mul_ps(zero, sum_a[r]));
           tot[r][c] = _mm512_add_ps(tot[r][c], _mm512_mul_ps(sw, v));

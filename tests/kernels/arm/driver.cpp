@@ -149,7 +149,7 @@ QuantPackedShape read_and_pack_quant(const std::string& dir, const char* prefix,
   src.scales = scales.data();
   src.zeros = zeros ? reinterpret_cast<const uint8_t*>(zero_points.data()) : nullptr;
   src.N = N, src.K = K, src.group = group;
-  const QuantPackedShape shape = quant_packed_shape(f, N, K, group, w13);
+  const QuantPackedShape shape = quant_packed_shape(f, N, K, group, w13, packs_symmetric(src));
   packed.assign(E * shape.blocks * shape.block_bytes, 0);
   pack_quant(src, w13, packed.data(), 0, E);
   return shape;
@@ -226,6 +226,7 @@ void run_case(const std::string& dir, const Parallel& parallel) {
     const QuantPackedShape s2 = read_and_pack_quant(dir, "w2", f, E, H, I, meta.num("group2"), zeros, false, w2_quant);
     a.group13 = s13.group;
     a.group2 = s2.group;
+    a.symmetric13 = a.symmetric2 = f == QuantFormat::kInt4W4A16 && !zeros;  // packed without zero points
     a.I = s13.blocks * kW13BlockInter;  // the packed intermediate size
     a.w13 = w13_quant.data();
     a.w2 = w2_quant.data();
