@@ -77,8 +77,9 @@ def test_bench_model_quantized_checkpoints_side_by_side(tmp_path, capsys):
     assert [m["weights_format"] for m in report["models"]] == ["bf16", "int4_w4a16", "fp8_w8a16"]
     bf16, q4 = report["models"][0]["weights"], report["models"][1]["weights"]
     assert bf16["expert_elems"] == q4["expert_elems"] and bf16["dense_elems"] == q4["dense_elems"]
-    # 4-bit codes plus a float32 scale and zero per 32 weights: 0.5 + 8/32 = 0.75 bytes a weight, against 2
-    assert q4["expert"] == pytest.approx(bf16["expert"] * 0.75 / 2, rel=0.01) and q4["dense"] < bf16["dense"]
+    # 4-bit codes plus a float32 scale per 32 weights (symmetric: no zero points): 0.5 + 4/32 = 0.625 bytes a
+    # weight, against 2
+    assert q4["expert"] == pytest.approx(bf16["expert"] * 0.625 / 2, rel=0.01) and q4["dense"] < bf16["dense"]
     assert [(r["batch"], r["weights_format"]) for r in report["results"]] == [
         (1, "bf16"), (1, "int4_w4a16"), (1, "fp8_w8a16"), (2, "bf16"), (2, "int4_w4a16"), (2, "fp8_w8a16")]
     rows = report["comparison"]
