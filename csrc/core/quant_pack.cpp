@@ -116,7 +116,7 @@ QuantPackedShape quant_packed_shape(QuantFormat f, int64_t N, int64_t K, int64_t
     g = Kp;
   }
   const int64_t blocks = w13 ? round_up(N / 2, kW13BlockInter) / kW13BlockInter : round_up(N, kBlockCols) / kBlockCols;
-  return {blocks, quant_block_bytes(f, Kp, g, symmetric && f == QuantFormat::kInt4W4A16), Kp, g};
+  return {blocks, quant_block_bytes(f, Kp, g, symmetric), Kp, g};
 }
 
 void pack_quant(const QuantSource& s, bool w13, uint8_t* dst, int64_t e_begin, int64_t e_end) {
