@@ -263,8 +263,9 @@ def _add_bench(commands) -> None:
     from cpumoe.bench.pruning.cli import add_parser as add_prune_sweep
     from cpumoe.bench.serve.cli import add_parser as add_serve
     from cpumoe.bench.sweep.cli import add_parser as add_sweep
+    from cpumoe.bench.threads.cli import add_parser as add_threads
     from cpumoe.bench.throughput.cli import add_parser as add_throughput
-    for add in (add_serve, add_throughput, add_sweep, add_experts, add_prune_sweep):
+    for add in (add_serve, add_throughput, add_sweep, add_experts, add_prune_sweep, add_threads):
         add(bench)
 
 

@@ -524,14 +524,15 @@ def bench_report(preset: LayerPreset, formats: Sequence[WeightFormat], cases: Se
     layer = asdict(preset)
     layer.update(weights_bytes=weights_nbytes(preset, REFERENCE_DTYPE), formats=[
         dict(format=f.name, activations=str(f.dtype).removeprefix("torch."), group_size=f.group_size,
-             oracle_choice=_oracle_choice(preset, f), backends=[c.backend for c in cases if c.format == f])
+             oracle_choice=oracle_choice(preset, f), backends=[c.backend for c in cases if c.format == f])
         for f in formats])
     layer["reference"] = None if reference is None else dict(format=reference.format.name, backend=reference.backend)
     layer["unrun"] = unrun
     return dict(machine=machine.to_dict(), layer=layer, results=[asdict(r) for r in results])
 
 
-def _oracle_choice(preset: LayerPreset, fmt: WeightFormat) -> str | None:
+def oracle_choice(preset: LayerPreset, fmt: WeightFormat) -> str | None:
+    """The experts backend the oracle picks for this layer in this format; None when none of them can run it."""
     try:
         return choose_backend(experts_config(preset, fmt)).name
     except ValueError:   # NoSupportedBackend
