@@ -17,6 +17,8 @@ ISA_FLAGS = {
     "kernels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "kernels_avx512bf16.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                                "-mfma", "-mf16c"],
+    "kernels_amx.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mamx-tile",
+                        "-mamx-bf16", "-mfma", "-mf16c"],
     "attention_avx512bf16.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                                  "-mfma", "-mf16c"],
     # -ffp-contract=off: the A8 tiles repeat quant_generic's float operations exactly (see their headers)

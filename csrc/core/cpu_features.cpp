@@ -4,6 +4,8 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #elif defined(__aarch64__)
 #include <asm/hwcap.h>
 #include <sys/auxv.h>
@@ -13,6 +15,13 @@ namespace cpumoe {
 namespace {
 
 #if defined(__x86_64__)
+// AMX's tile data is saved by the OS (XCR0 bits 17-18) only for a process that asks for it first (Linux 5.16+).
+bool amx_permitted(unsigned long long xcr0) {
+  constexpr unsigned long long kTileState = 3ull << 17;
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return (xcr0 & kTileState) == kTileState && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
 std::vector<std::string> detect() {
   std::vector<std::string> f;
   unsigned a, b, c, d;
@@ -39,6 +48,7 @@ std::vector<std::string> detect() {
     if (a1 & (1u << 5)) f.push_back("avx512_bf16");
   }
   if (d & (1u << 24)) f.push_back("amx_tile");
+  if ((d & (1u << 22)) && amx_permitted(xcr0)) f.push_back("amx_bf16");
   return f;
 }
 #elif defined(__aarch64__)
@@ -72,6 +82,8 @@ const QuantKernel* generic_quant(QuantFormat f) { return &quant_generic(f); }
 std::vector<BackendSpec> specs() {
   return {
 #if defined(__x86_64__)
+      {"x86-amx", true, [] { return &kernels_x86_amx(); }, nullptr,
+       {"avx512f", "avx512bw", "avx512_bf16", "amx_bf16"}},
       {"x86-avx512bf16", true, [] { return &kernels_x86_avx512bf16(); }, quant_x86_avx512bf16,
        {"avx512f", "avx512bw", "avx512_bf16"}},
       {"x86-avx512vnni", true, nullptr, quant_x86_avx512vnni, {"avx512f", "avx512bw", "avx512_vnni"}},
@@ -82,6 +94,7 @@ std::vector<BackendSpec> specs() {
       {"arm-dotprod", false, nullptr, nullptr, {"asimddp"}},
       {"arm-neon", false, nullptr, nullptr, {"asimd"}},
 #elif defined(__aarch64__)
+      {"x86-amx", false, nullptr, nullptr, {}},
       {"x86-avx512bf16", false, nullptr, nullptr, {}},
       {"x86-avx512vnni", false, nullptr, nullptr, {}},
       {"x86-avx512", false, nullptr, nullptr, {}},

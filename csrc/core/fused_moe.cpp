@@ -162,9 +162,12 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
   const int64_t bytes_scale = align(rows * 4), bytes_slot = align(M * K * 8);
   const int64_t bytes_inter = align(rows * Ip * inter_es), bytes_qinter = geo.int8_rows ? align(rows * stride2) : 0;
   const int64_t bytes_y = align(rows * Hp * 4);
+  // Only where rows are shared by experts' tiles at all: a decode's handful of rows each take one tile call.
+  const bool sort_rows = !a.quant && a.kernels->sorted_rows && rows >= 2 * a.local_experts;
+  const int64_t bytes_sorted = sort_rows ? align(rows * geo.k13 * es) : 0;
   static thread_local Scratch scratch;
   char* base = scratch.get(bytes_x + bytes_qx + 2 * bytes_ptr + bytes_scale + bytes_slot + bytes_inter + bytes_qinter +
-                           bytes_y + 64);
+                           bytes_y + bytes_sorted + 64);
   char* x_copy = base;
   char* qx = x_copy + bytes_x;
   const void** a13 = reinterpret_cast<const void**>(qx + bytes_qx);
@@ -174,6 +177,7 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
   char* inter = reinterpret_cast<char*>(slot_row) + bytes_slot;
   char* qinter = inter + bytes_inter;
   float* ys = reinterpret_cast<float*>(qinter + bytes_qinter);
+  char* x_sorted = reinterpret_cast<char*>(ys) + bytes_y;
 
   const char* x = static_cast<const char*>(a.hidden);
   int64_t x_stride = H * es;
@@ -214,6 +218,12 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
     a2[r] = geo.int8_rows ? qinter + r * stride2 : inter + r * Ip * es;
     row_scale[r] = a.topk_weights[i];
   }
+  if (sort_rows)  // w13's rows in expert order, one after another (KernelTable::sorted_rows)
+    parallel_items(parallel, rows, [&](int64_t r) {
+      char* dst = x_sorted + r * x_stride;
+      std::memcpy(dst, a13[r], x_stride);
+      a13[r] = dst;
+    });
   const float* w2_scale = a.apply_router_weight_on_input ? nullptr : row_scale;
 
   // 3. w13 with the activation fused: inter[r][Ip].

@@ -55,6 +55,9 @@ struct KernelTable {
   AttentionFn attention = nullptr;
   // The calls the attention kernel hands to another unit's, in words (nullptr: none, it takes them all).
   const char* attention_scope = nullptr;
+  // The fused driver copies w13's input rows into expert order before the tiles run, so that the rows of a tile
+  // are evenly spaced (x86-amx then loads them in place; scattered, each call would copy its own).
+  bool sorted_rows = false;
   bool supports(DType d) const { return (dtype_mask >> int(d)) & 1u; }
 };
 
@@ -81,6 +84,7 @@ const KernelTable& kernels_generic();
 const KernelTable& kernels_x86_avx2();
 const KernelTable& kernels_x86_avx512();
 const KernelTable& kernels_x86_avx512bf16();
+const KernelTable& kernels_x86_amx();
 #endif
 #if defined(__aarch64__)
 const KernelTable& kernels_arm_neon();

@@ -44,7 +44,7 @@ OP_CASES = {
     "weights-fp16": (dict(topk_weights=torch.zeros(4, 2, dtype=torch.float16)), "topk_weights must be float32"),
     "ids-wrong-rows": (dict(topk_ids=torch.zeros(3, 2, dtype=torch.int32)), "must both be"),
     "unknown-activation": (dict(activation="relu2"), "unknown activation 'relu2'"),
-    "unknown-backend": (dict(backend="x86-amx"), "unknown kernel backend 'x86-amx'"),
+    "unknown-backend": (dict(backend="riscv-rvv"), "unknown kernel backend 'riscv-rvv'"),
     "on-input-needs-k1": (dict(apply_router_weight_on_input=True), "needs top_k == 1"),
     "expert-map-out-of-range": (dict(expert_map=torch.tensor([0, 1, 2, 9], dtype=torch.int32)), "maps expert 3 to local id 9"),
     "bias-wrong-shape": (dict(w13_bias=torch.zeros(4, 10)), "packed w13_bias must be float32"),

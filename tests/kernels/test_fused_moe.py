@@ -16,6 +16,8 @@ SHAPES = [
     MoECase(M=1000, H=64, I=48, E=128, k=8),
     MoECase(M=5, H=63, I=17, E=3, k=1),       # odd hidden size: pairs/quads layouts pad K
     MoECase(M=39, H=2048, I=768, E=8, k=2),   # real qwen3 per-expert shapes
+    MoECase(M=150, H=200, I=72, E=4, k=2),    # ~75 scattered rows an expert: whole tiles of 32 and 16 rows and a
+                                              # rest, K past its last whole 32 (x86-amx's paths)
 ]
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh", "swigluoai"]
 
