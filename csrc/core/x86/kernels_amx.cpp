@@ -4,11 +4,12 @@
 // rows are evenly spaced in memory (w2's intermediate rows, a dense linear's rows) and copied together first when
 // they are not (w13's rows are the tokens an expert was routed, scattered over the batch).
 //
-// AMX pays where a block is reused across rows: calls of kMinRows rows or more run in groups of 32 (then 16, the
-// last padded with zero rows) rows, four 16 x 16 float32 accumulator tiles at a time. Decode calls (fewer rows) go
+// AMX pays where a block is reused across rows: calls of kMinRows rows or more run in tiles of 16 rows (the last
+// padded with zero rows), four 16 x 16 float32 accumulator tiles at a time. Decode calls (fewer rows) go
 // to the AVX-512 BF16 register tiles, which stream a block from memory as fast as the memory gives it.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -18,15 +19,15 @@
 namespace cpumoe {
 namespace {
 
-constexpr int kGroupRows = 32;  // rows per AMX group (two A tiles)
 constexpr int kTileRows = 16;   // rows of an A tile and of an accumulator tile
 constexpr int kTilePairs = 16;  // k-pairs per A/B tile (32 bf16 of k)
-// Fewest rows that go to AMX: a 16-row tile product costs what 4 rows do on the AVX-512 BF16 tiles (4 TDPBF16PS of
-// 16 cycles per 16 k-pairs against 4 VDPBF16PS a row and k-pair, two a cycle); below it those stream the block.
+// Fewest rows that go to AMX. By instruction counts (not measured row by row) a 16-row tile product costs what 2
+// rows do on the AVX-512 BF16 tiles: 4 TDPBF16PS of 16 cycles per 16 k-pairs, against 4 VDPBF16PS a row and k-pair
+// at two a cycle. From 4 rows AMX is ahead with a margin; below, the AVX-512 tiles stream the block (decode).
 constexpr int kMinRows = 4;
 constexpr int64_t kPairBytes = kBlockCols * 2 * 2;  // one k-pair of a block: 64 columns x 2 bf16
 
-// Tiles 0-3: float32 accumulators 16 x 16; 4-5: A (16 rows x 32 bf16); 6-7: B (16 k-pairs x 16 columns x 2).
+// Tiles 0-3: float32 accumulators 16 x 16; 4: A (16 rows x 32 bf16); 6-7: B (16 k-pairs x 16 columns x 2).
 // Every tile is 16 rows of 64 bytes.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -47,55 +48,31 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// c[R][64] = a[R rows, stride a_stride bytes] . block's columns over k-pairs [0, pairs), pairs a multiple of 16.
-// R = 32: two A tiles against two B tiles, the block's 64 columns in two halves; R = 16: one A tile against four.
-template <int R>
+// c[16][64] = a[16 rows, stride a_stride bytes] . the block's 64 columns over k-pairs [0, pairs), pairs a multiple
+// of 16: one A tile against the four B tiles of a k-step, so each k-step reads whole 256-byte rows of the block (a
+// 32-row group, two A tiles against two B tiles a half of the block at a time, ran 10% slower at M = 512 and 2048:
+// it read the block in two strided passes).
 void tile_products(const char* a, int64_t a_stride, const char* b, int64_t pairs, float* c) {
-  static_assert(R == 16 || R == 32);
-  if constexpr (R == 32) {
-    for (int half = 0; half < 2; ++half) {
-      const char* bh = b + half * 128;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t p = 0; p < pairs; p += kTilePairs) {
-        _tile_loadd(4, a + p * 4, a_stride);
-        _tile_loadd(5, a + kTileRows * a_stride + p * 4, a_stride);
-        _tile_loadd(6, bh + p * kPairBytes, kPairBytes);
-        _tile_loadd(7, bh + p * kPairBytes + 64, kPairBytes);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, c + half * 32, 256);
-      _tile_stored(1, c + half * 32 + 16, 256);
-      _tile_stored(2, c + kTileRows * 64 + half * 32, 256);
-      _tile_stored(3, c + kTileRows * 64 + half * 32 + 16, 256);
-    }
-  } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t p = 0; p < pairs; p += kTilePairs) {
-      const char* bp = b + p * kPairBytes;
-      _tile_loadd(4, a + p * 4, a_stride);
-      _tile_loadd(6, bp, kPairBytes);
-      _tile_loadd(7, bp + 64, kPairBytes);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(6, bp + 128, kPairBytes);
-      _tile_loadd(7, bp + 192, kPairBytes);
-      _tile_dpbf16ps(2, 4, 6);
-      _tile_dpbf16ps(3, 4, 7);
-    }
-    _tile_stored(0, c, 256);
-    _tile_stored(1, c + 16, 256);
-    _tile_stored(2, c + 32, 256);
-    _tile_stored(3, c + 48, 256);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t p = 0; p < pairs; p += kTilePairs) {
+    const char* bp = b + p * kPairBytes;
+    _tile_loadd(4, a + p * 4, a_stride);
+    _tile_loadd(6, bp, kPairBytes);
+    _tile_loadd(7, bp + 64, kPairBytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, bp + 128, kPairBytes);
+    _tile_loadd(7, bp + 192, kPairBytes);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_dpbf16ps(3, 4, 7);
   }
+  _tile_stored(0, c, 256);
+  _tile_stored(1, c + 16, 256);
+  _tile_stored(2, c + 32, 256);
+  _tile_stored(3, c + 48, 256);
 }
 
 // The k-pairs past the last whole tile ([from, pairs)), added to c[R][64] with VDPBF16PS.
@@ -133,30 +110,27 @@ const char* strided_rows(const GemmTile& t, int first, int n, int rows, std::vec
   return reinterpret_cast<const char*>(copy.data());
 }
 
-// c[R][64] for rows [first, first + n) of the call (n <= R; rows past n are zeros and their sums unused).
-template <int R>
+// c[16][64] for rows [first, first + n) of the call (n <= 16; rows past n are zeros and their sums unused).
 void group(const GemmTile& t, int first, int n, float* c, std::vector<uint16_t>& copy) {
   int64_t stride;
-  const char* a = strided_rows(t, first, n, R, copy, &stride);
+  const char* a = strided_rows(t, first, n, kTileRows, copy, &stride);
   const char* b = static_cast<const char*>(t.b);
   const int64_t pairs = t.k / 2, whole = pairs / kTilePairs * kTilePairs;
-  tile_products<R>(a, stride, b, whole, c);
+  tile_products(a, stride, b, whole, c);
   if (whole < pairs) tail_pairs(a, stride, b, whole, pairs, n, c);
 }
 
-// Runs the call's rows in AMX groups (the last one padded with zero rows when kMinRows or more are left), and hands
+// Runs the call's rows in AMX tiles of 16 (the last one padded with zero rows when kMinRows or more are left), and hands
 // calls of fewer rows to the AVX-512 BF16 tiles; epilogue(r, c_row) finishes row r from its 64 float32 sums.
 template <typename Epilogue>
 void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows) {
   if (t.rows < kMinRows) return fewer_rows(t);
-  alignas(64) float c[kGroupRows * 64];
+  alignas(64) float c[kTileRows * 64];
   thread_local std::vector<uint16_t> copy;
   configure_tiles();
   for (int done = 0; done < t.rows;) {
-    const int left = t.rows - done;
-    const int n = left >= kGroupRows ? kGroupRows : (left >= kTileRows ? kTileRows : left);
-    if (n > kTileRows) group<kGroupRows>(t, done, n, c, copy);
-    else group<kTileRows>(t, done, n, c, copy);
+    const int n = std::min(t.rows - done, kTileRows);
+    group(t, done, n, c, copy);
     for (int r = 0; r < n; ++r) epilogue(done + r, c + r * 64);
     done += n;
   }
@@ -182,8 +156,8 @@ void amx_w2_tile(const GemmTile& t) {
 
 const KernelTable& kernels_x86_amx() {
   // max_rows: the fused driver cuts an expert's rows into chunks of a multiple of it, so that every chunk but an
-  // expert's last fills whole AMX groups. No attention kernel of its own: x86-avx512bf16's runs.
-  static const KernelTable table{"x86-amx", Layout::kPairs, kGroupRows, 1u << int(DType::kBFloat16), amx_w13_tile,
+  // expert's last fills whole AMX tiles. No attention kernel of its own: x86-avx512bf16's runs.
+  static const KernelTable table{"x86-amx", Layout::kPairs, kTileRows, 1u << int(DType::kBFloat16), amx_w13_tile,
                                  amx_w2_tile, nullptr, nullptr, /*sorted_rows=*/true};
   return table;
 }
