@@ -49,6 +49,7 @@ std::vector<std::string> detect() {
   }
   if (d & (1u << 24)) f.push_back("amx_tile");
   if ((d & (1u << 22)) && amx_permitted(xcr0)) f.push_back("amx_bf16");
+  if ((d & (1u << 25)) && amx_permitted(xcr0)) f.push_back("amx_int8");
   return f;
 }
 #elif defined(__aarch64__)
@@ -82,8 +83,8 @@ const QuantKernel* generic_quant(QuantFormat f) { return &quant_generic(f); }
 std::vector<BackendSpec> specs() {
   return {
 #if defined(__x86_64__)
-      {"x86-amx", true, [] { return &kernels_x86_amx(); }, nullptr,
-       {"avx512f", "avx512bw", "avx512_bf16", "amx_bf16"}},
+      {"x86-amx", true, [] { return &kernels_x86_amx(); }, quant_x86_amx,
+       {"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"}},
       {"x86-avx512bf16", true, [] { return &kernels_x86_avx512bf16(); }, quant_x86_avx512bf16,
        {"avx512f", "avx512bw", "avx512_bf16"}},
       {"x86-avx512vnni", true, nullptr, quant_x86_avx512vnni, {"avx512f", "avx512bw", "avx512_vnni"}},

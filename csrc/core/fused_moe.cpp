@@ -163,8 +163,8 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
   const int64_t bytes_inter = align(rows * Ip * inter_es), bytes_qinter = geo.int8_rows ? align(rows * stride2) : 0;
   const int64_t bytes_y = align(rows * Hp * 4);
   // Only where rows are shared by experts' tiles at all: a decode's handful of rows each take one tile call.
-  const bool sort_rows = !a.quant && a.kernels->sorted_rows && rows >= 2 * a.local_experts;
-  const int64_t bytes_sorted = sort_rows ? align(rows * geo.k13 * es) : 0;
+  const bool sort_rows = (a.quant ? a.quant->sorted_rows : a.kernels->sorted_rows) && rows >= 2 * a.local_experts;
+  const int64_t bytes_sorted = sort_rows ? align(rows * (geo.int8_rows ? stride13 : geo.k13 * es)) : 0;
   static thread_local Scratch scratch;
   char* base = scratch.get(bytes_x + bytes_qx + 2 * bytes_ptr + bytes_scale + bytes_slot + bytes_inter + bytes_qinter +
                            bytes_y + bytes_sorted + 64);

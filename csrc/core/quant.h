@@ -145,6 +145,7 @@ struct QuantKernel {
   TileFn w13_tile;
   TileFn w2_tile;
   WriteRowFn write_row = nullptr;  // A8: this ISA's build of the row writer (nullptr: the baseline one)
+  bool sorted_rows = false;        // as KernelTable::sorted_rows (the A8 rows of w13 in expert order)
 };
 
 // Quantizes one row x[0:K] (bf16/f16/f32 as `dtype`; K <= Kp) into the A8 row layout at dst, with q's row
@@ -158,7 +159,8 @@ void quantize_row_f32(const QuantKernel& q, const float* x, int64_t K, int64_t K
 const QuantKernel& quant_generic(QuantFormat f);
 #if defined(__x86_64__)
 const QuantKernel* quant_x86_avx512vnni(QuantFormat f);  // int8, int4, mxfp4; nullptr for fp8
-const QuantKernel* quant_x86_avx512bf16(QuantFormat f);  // fp8
+const QuantKernel* quant_x86_avx512bf16(QuantFormat f);
+const QuantKernel* quant_x86_amx(QuantFormat f);        // int8  // fp8
 const QuantKernel* quant_x86_avx2(QuantFormat f);        // all four
 #endif
 #if defined(__aarch64__)

@@ -251,3 +251,19 @@ def test_symmetric_and_zero_point_int4_do_not_join():
                                group_size=32, w13=False)
     with pytest.raises(ValueError, match="symmetric"):
         cpumoe.ops.join_packed_rows([sym, zp])
+
+
+@pytest.mark.skipif("x86-amx" not in native_backends_for("int8_w8a8", torch.bfloat16), reason="no AMX-INT8 here")
+@pytest.mark.parametrize("case", [MoECase(M=120, H=160, I=96, E=4, k=2), MoECase(M=70, H=2048, I=768, E=2, k=1)],
+                         ids=lambda c: c.id)
+def test_amx_int8_gives_the_bits_of_the_generic_tiles(case):
+    """x86-amx's TDPBUSD tiles sum int32 exactly and rescale as the VNNI tiles do: the same bits as quant_generic.
+    ~60 scattered rows an expert (whole tiles of 16, a padded one, w13's rows sorted by the driver), and K = 160 (a
+    k-quad tail past the last 64) or the real qwen3 shapes."""
+    p = make_problem(case, torch.bfloat16)
+    w13, w2 = quantized(p, "int8_w8a8", None, True)
+    out = {}
+    for backend in ("x86-amx", "generic"):
+        layer = cpumoe.FusedMoE.from_quantized(w13, w2, top_k=case.k, dtype=torch.bfloat16, backend=backend)
+        out[backend] = layer.experts(p.x, p.topk_weights, p.topk_ids)
+    assert torch.equal(out["x86-amx"], out["generic"])

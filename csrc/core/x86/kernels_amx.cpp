@@ -14,39 +14,19 @@
 #include <vector>
 
 #include "../simd.h"
+#include "amx_tiles.h"
 #include "kernels_avx512bf16.h"
 
 namespace cpumoe {
 namespace {
 
-constexpr int kTileRows = 16;   // rows of an A tile and of an accumulator tile
+using amx::kTileRows;
 constexpr int kTilePairs = 16;  // k-pairs per A/B tile (32 bf16 of k)
 // Fewest rows that go to AMX. By instruction counts (not measured row by row) a 16-row tile product costs what 2
 // rows do on the AVX-512 BF16 tiles: 4 TDPBF16PS of 16 cycles per 16 k-pairs, against 4 VDPBF16PS a row and k-pair
 // at two a cycle. From 4 rows AMX is ahead with a margin; below, the AVX-512 tiles stream the block (decode).
 constexpr int kMinRows = 4;
 constexpr int64_t kPairBytes = kBlockCols * 2 * 2;  // one k-pair of a block: 64 columns x 2 bf16
-
-// Tiles 0-3: float32 accumulators 16 x 16; 4: A (16 rows x 32 bf16); 6-7: B (16 k-pairs x 16 columns x 2).
-// Every tile is 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Loaded at the start of every call: the tile configuration belongs to the thread, and other code on the same
-// thread (oneDNN's GEMMs under torch) sets its own.
-void configure_tiles() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = kTileRows;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // c[16][64] = a[16 rows, stride a_stride bytes] . the block's 64 columns over k-pairs [0, pairs), pairs a multiple
 // of 16: one A tile against the four B tiles of a k-step, so each k-step reads whole 256-byte rows of the block (a
@@ -127,7 +107,7 @@ void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows) {
   if (t.rows < kMinRows) return fewer_rows(t);
   alignas(64) float c[kTileRows * 64];
   thread_local std::vector<uint16_t> copy;
-  configure_tiles();
+  amx::configure_tiles();
   for (int done = 0; done < t.rows;) {
     const int n = std::min(t.rows - done, kTileRows);
     group(t, done, n, c, copy);

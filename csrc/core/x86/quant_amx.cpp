@@ -1,0 +1,124 @@
+// x86 AMX INT8: int8_w8a8 tiles with TDPBUSD (u8 x s8 -> int32, four products a lane, like VPDPBUSD) over the blocks
+// every backend packs ([Kp/4][64][4] int8, then scale[64] and colsum[64]): a B tile is 16 k-quads x 16 columns,
+// read in place with the block's 256-byte quad stride. The A8 rows are the VNNI unit's (u = a + 128), an A tile 16
+// of them x 64 k: in place when evenly spaced (the fused driver sorts w13's rows for it, KernelTable::sorted_rows'
+// twin), else copied together. The int32 sums are exact, and the rescale repeats quant_avx512vnni's float operations
+// in its order (the file builds with -ffp-contract=off), so the results are bit for bit those of the VNNI tiles and
+// of quant_generic.
+// Calls of fewer than kMinRows rows (decode) run on the VNNI unit's register tiles, which stream the block.
+#include "../quant_row.h"
+#include "amx_tiles.h"
+#include "quant_tiles.h"
+
+namespace cpumoe {
+namespace {
+
+using amx::kTileRows;
+constexpr int kMinRows = 4;        // as x86-amx's bf16 tiles
+constexpr int64_t kStepK = 64;     // k per A/B tile: 16 quads
+constexpr int64_t kQuadBytes = 256;  // one k-quad of a block: 64 columns x 4 int8
+
+inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+  return acc;
+}
+
+// The R rows' codes as one strided array of 16 rows: in place when R == 16 and evenly spaced, else copied (rows past
+// R zero; their sums go unused).
+template <int R>
+const uint8_t* strided_codes(const GemmTile& t, int64_t* stride) {
+  const uint8_t* base = static_cast<const uint8_t*>(t.a_rows[0]);
+  if constexpr (R == kTileRows) {
+    const int64_t step = static_cast<const uint8_t*>(t.a_rows[1]) - base;
+    bool even = step >= t.k;
+    for (int i = 2; i < R && even; ++i) even = static_cast<const uint8_t*>(t.a_rows[i]) == base + i * step;
+    if (even) {
+      *stride = step;
+      return base;
+    }
+  }
+  uint8_t* copy = qx86::scratch(kTileRows * t.k);
+  for (int i = 0; i < R; ++i) std::memcpy(copy + i * t.k, t.a_rows[i], t.k);
+  std::memset(copy + R * t.k, 0, (kTileRows - R) * t.k);
+  *stride = t.k;
+  return copy;
+}
+
+template <int R>
+struct AmxInt8Dot {
+  static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
+    const uint8_t* b = static_cast<const uint8_t*>(t.b);
+    int64_t stride;
+    const uint8_t* a = strided_codes<R>(t, &stride);
+    const int64_t whole = t.k / kStepK * kStepK;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < whole; k += kStepK) {
+      const uint8_t* bq = b + (k / 4) * kQuadBytes;
+      _tile_loadd(4, a + k, stride);
+      _tile_loadd(6, bq, kQuadBytes);
+      _tile_loadd(7, bq + 64, kQuadBytes);
+      _tile_dpbusd(0, 4, 6);
+      _tile_dpbusd(1, 4, 7);
+      _tile_loadd(6, bq + 128, kQuadBytes);
+      _tile_loadd(7, bq + 192, kQuadBytes);
+      _tile_dpbusd(2, 4, 6);
+      _tile_dpbusd(3, 4, 7);
+    }
+    alignas(64) int32_t acc[kTileRows * 64];
+    _tile_stored(0, acc, 256);
+    _tile_stored(1, acc + 16, 256);
+    _tile_stored(2, acc + 32, 256);
+    _tile_stored(3, acc + 48, 256);
+    for (int r = 0; r < R; ++r) {  // the quads past the last whole tile (Kp is a multiple of 32, not of 64)
+      const int32_t* ar = static_cast<const int32_t*>(t.a_rows[r]);
+      for (int64_t q = whole / 4; q < t.k / 4; ++q) {
+        const __m512i x = _mm512_set1_epi32(ar[q]);
+        for (int c = 0; c < 4; ++c) {
+          const __m512i w = _mm512_loadu_si512(b + q * kQuadBytes + 64 * c);
+          _mm512_store_si512(acc + 64 * r + 16 * c, dpbusd(_mm512_load_si512(acc + 64 * r + 16 * c), x, w));
+        }
+      }
+    }
+    const float* scale = reinterpret_cast<const float*>(b + 64 * t.k);
+    const int32_t* colsum = reinterpret_cast<const int32_t*>(scale + 64);
+    for (int c = 0; c < 4; ++c) {  // quant_avx512vnni's Int8Dot rescale, operation for operation
+      const __m512 sw = _mm512_loadu_ps(scale + 16 * c);
+      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16 * c), 7);  // 128 * colsum
+      for (int r = 0; r < R; ++r) {
+        const __m512i sums = _mm512_load_si512(acc + 64 * r + 16 * c);
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, offset)), sw);
+        y[r][c] = (simd::f32x16)_mm512_mul_ps(v, _mm512_set1_ps(qx86::a8_scale(t.a_rows[r], t.k)));
+      }
+    }
+  }
+};
+
+using AmxInt8Tiles = qx86::Tiles<AmxInt8Dot, DType::kFloat32, kTileRows>;
+
+template <bool W13>
+void int8_tile(const GemmTile& t) {
+  if (t.rows < kMinRows) {
+    const QuantKernel* vnni = quant_x86_avx512vnni(QuantFormat::kInt8W8A8);
+    return W13 ? vnni->w13_tile(t) : vnni->w2_tile(t);
+  }
+  amx::configure_tiles();
+  if constexpr (W13) AmxInt8Tiles::w13(t);
+  else AmxInt8Tiles::w2(t);
+  _tile_release();
+}
+
+}  // namespace
+
+const QuantKernel* quant_x86_amx(QuantFormat f) {
+  static const QuantKernel int8{kTileRows, true, int8_tile<true>, int8_tile<false>, write_quantized_row,
+                                /*sorted_rows=*/true};
+  switch (f) {
+    case QuantFormat::kInt8W8A8: return &int8;
+    default: return nullptr;
+  }
+}
+
+}  // namespace cpumoe
