@@ -15,6 +15,7 @@
 
 #include "../simd.h"
 #include "amx_tiles.h"
+#include "kernels_amx.h"
 #include "kernels_avx512bf16.h"
 
 namespace cpumoe {
@@ -91,26 +92,44 @@ const char* strided_rows(const GemmTile& t, int first, int n, int rows, std::vec
 }
 
 // c[16][64] for rows [first, first + n) of the call (n <= 16; rows past n are zeros and their sums unused).
-void group(const GemmTile& t, int first, int n, float* c, std::vector<uint16_t>& copy) {
+// chunk_scales: a widened fp8 block's float32 scales [ceil(k / t.group)][64] (t.group a multiple of 32): each
+// chunk of t.group k sums on its own and adds scale * sum, as the AVX-512 BF16 unit's chunked tiles do; nullptr:
+// plain bf16 weights.
+void group(const GemmTile& t, int first, int n, float* c, std::vector<uint16_t>& copy, const float* chunk_scales) {
   int64_t stride;
   const char* a = strided_rows(t, first, n, kTileRows, copy, &stride);
   const char* b = static_cast<const char*>(t.b);
   const int64_t pairs = t.k / 2, whole = pairs / kTilePairs * kTilePairs;
-  tile_products(a, stride, b, whole, c);
-  if (whole < pairs) tail_pairs(a, stride, b, whole, pairs, n, c);
+  if (!chunk_scales) {
+    tile_products(a, stride, b, whole, c);
+    if (whole < pairs) tail_pairs(a, stride, b, whole, pairs, n, c);
+    return;
+  }
+  alignas(64) float chunk[kTileRows * 64];
+  for (int i = 0; i < n * 64; i += 16) _mm512_store_ps(c + i, _mm512_setzero_ps());
+  for (int64_t k0 = 0, ci = 0; k0 < t.k; k0 += t.group, ++ci) {
+    const int64_t p0 = k0 / 2, p1 = std::min(k0 + t.group, t.k) / 2;
+    tile_products(a + p0 * 4, stride, b + p0 * kPairBytes, p1 - p0, chunk);
+    for (int r = 0; r < n; ++r)
+      for (int q = 0; q < 4; ++q) {
+        float* cr = c + r * 64 + 16 * q;
+        _mm512_store_ps(cr, _mm512_fmadd_ps(_mm512_load_ps(chunk + r * 64 + 16 * q),
+                                            _mm512_loadu_ps(chunk_scales + ci * 64 + 16 * q), _mm512_load_ps(cr)));
+      }
+  }
 }
 
 // Runs the call's rows in AMX tiles of 16 (the last one padded with zero rows when kMinRows or more are left), and hands
 // calls of fewer rows to the AVX-512 BF16 tiles; epilogue(r, c_row) finishes row r from its 64 float32 sums.
 template <typename Epilogue>
-void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows) {
-  if (t.rows < kMinRows) return fewer_rows(t);
+void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows, const float* chunk_scales = nullptr) {
+  if (t.rows < kMinRows && fewer_rows) return fewer_rows(t);
   alignas(64) float c[kTileRows * 64];
   thread_local std::vector<uint16_t> copy;
   amx::configure_tiles();
   for (int done = 0; done < t.rows;) {
     const int n = std::min(t.rows - done, kTileRows);
-    group(t, done, n, c, copy);
+    group(t, done, n, c, copy, chunk_scales);
     for (int r = 0; r < n; ++r) epilogue(done + r, c + r * 64);
     done += n;
   }
@@ -133,6 +152,19 @@ void amx_w2_tile(const GemmTile& t) {
 }
 
 }  // namespace
+
+void amx_fp8_widened_w13_tile(const GemmTile& t) {
+  run(t, [&](int r, const float* c) {
+        simd::w13_epilogue<DType::kBFloat16>(t, r, sums(c, 0), sums(c, 1), sums(c, 2), sums(c, 3));
+      }, nullptr, reinterpret_cast<const float*>(static_cast<const char*>(t.b) + 128 * t.k));
+}
+
+void amx_fp8_widened_w2_tile(const GemmTile& t) {
+  run(t, [&](int r, const float* c) {
+        const simd::f32x16 v[4] = {sums(c, 0), sums(c, 1), sums(c, 2), sums(c, 3)};
+        simd::w2_epilogue(t, r, v);
+      }, nullptr, reinterpret_cast<const float*>(static_cast<const char*>(t.b) + 128 * t.k));
+}
 
 const KernelTable& kernels_x86_amx() {
   // max_rows: the fused driver cuts an expert's rows into chunks of a multiple of it, so that every chunk but an

@@ -13,4 +13,8 @@ void avx512bf16_w2_tile(const GemmTile& t);   // float32 out
 void avx512bf16_decode_attention(const DecodeAttentionArgs& a, int64_t seq, int64_t kv_head);
 extern const char* const kAvx512Bf16AttentionScope;  // what it hands to the FMA kernel, in words
 
+// An fp8_w8a16 block widened once (quant_avx512bf16.cpp): [Kp/2][64][2] bf16 (the codes times 2^-8, unscaled),
+// then its float32 scales [ceil(Kp / g)][64] (the 2^8 folded in), in this thread's scratch.
+const void* avx512bf16_widen_fp8(const GemmTile& t);
+
 }  // namespace cpumoe

@@ -6,8 +6,11 @@
 // in its order (the file builds with -ffp-contract=off), so the results are bit for bit those of the VNNI tiles and
 // of quant_generic.
 // Calls of fewer than kMinRows rows (decode) run on the VNNI unit's register tiles, which stream the block.
+// fp8_w8a16 (below) runs its prefill on x86-amx's bf16 tiles.
 #include "../quant_row.h"
 #include "amx_tiles.h"
+#include "kernels_amx.h"
+#include "kernels_avx512bf16.h"
 #include "quant_tiles.h"
 
 namespace cpumoe {
@@ -98,6 +101,18 @@ struct AmxInt8Dot {
 
 using AmxInt8Tiles = qx86::Tiles<AmxInt8Dot, DType::kFloat32, kTileRows>;
 
+// fp8_w8a16 from kMinRows rows: the AVX-512 BF16 unit widens the block to bf16 once, as its own prefill does, and
+// x86-amx's tiles take it (chunk by chunk of g k, each rescaled in float32). A g that is not a multiple of 32 (an
+// AMX k-step) stays on the AVX-512 BF16 unit.
+template <bool W13>
+void fp8_tile(const GemmTile& t) {
+  const QuantKernel* avx512 = quant_x86_avx512bf16(QuantFormat::kFp8W8A16);
+  if (t.rows < kMinRows || t.group % 32 != 0) return W13 ? avx512->w13_tile(t) : avx512->w2_tile(t);
+  GemmTile wide = t;
+  wide.b = avx512bf16_widen_fp8(t);
+  W13 ? amx_fp8_widened_w13_tile(wide) : amx_fp8_widened_w2_tile(wide);
+}
+
 template <bool W13>
 void int8_tile(const GemmTile& t) {
   if (t.rows < kMinRows) {
@@ -115,8 +130,10 @@ void int8_tile(const GemmTile& t) {
 const QuantKernel* quant_x86_amx(QuantFormat f) {
   static const QuantKernel int8{kTileRows, true, int8_tile<true>, int8_tile<false>, write_quantized_row,
                                 /*sorted_rows=*/true};
+  static const QuantKernel fp8{kTileRows, false, fp8_tile<true>, fp8_tile<false>, nullptr, /*sorted_rows=*/true};
   switch (f) {
     case QuantFormat::kInt8W8A8: return &int8;
+    case QuantFormat::kFp8W8A16: return &fp8;
     default: return nullptr;
   }
 }

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernels_avx512bf16.h"
 #include "quant_tiles.h"
 
 namespace cpumoe {
@@ -127,9 +128,11 @@ void chunked_dot(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
     for (int c = 0; c < 4; ++c) y[r][c] = (simd::f32x16)tot[r][c];
 }
 
+}  // namespace
+
 // fp8 widened to Fp8Widened's layout. Folding its scales into bf16 would round w * scale
 // (up to 7.5e-3 of the largest output in the harness); the chunked tile keeps them in f32 at no cost here.
-const void* widen_fp8(const GemmTile& t) {
+const void* avx512bf16_widen_fp8(const GemmTile& t) {
   const Fp8 f(t);
   const int64_t chunks = (t.k + t.group - 1) / t.group;
   uint8_t* dst = qx86::scratch(128 * t.k + 256 * chunks);
@@ -143,6 +146,8 @@ const void* widen_fp8(const GemmTile& t) {
     for (int c = 0; c < 4; ++c) _mm512_store_ps(scales + 64 * chunk + 16 * c, f.scale(chunk, c));
   return dst;
 }
+
+namespace {
 
 template <int R>
 struct Fp8Dot {
@@ -162,13 +167,13 @@ struct Fp8Tiles {
   static void w13(const GemmTile& t) {
     if (t.rows < kScratchRows) return Direct::w13(t);
     GemmTile wide = t;
-    wide.b = widen_fp8(t);
+    wide.b = avx512bf16_widen_fp8(t);
     Widened::w13(wide);
   }
   static void w2(const GemmTile& t) {
     if (t.rows < kScratchRows) return Direct::w2(t);
     GemmTile wide = t;
-    wide.b = widen_fp8(t);
+    wide.b = avx512bf16_widen_fp8(t);
     Widened::w2(wide);
   }
 };
