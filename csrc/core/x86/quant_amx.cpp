@@ -40,7 +40,9 @@ const uint8_t* strided_codes(const GemmTile& t, int64_t* stride) {
       return base;
     }
   }
-  uint8_t* copy = qx86::scratch(kTileRows * t.k);
+  thread_local std::vector<uint8_t> rows_copy;  // not qx86::scratch: that holds a widened int4 block
+  rows_copy.resize(kTileRows * t.k);
+  uint8_t* copy = rows_copy.data();
   for (int i = 0; i < R; ++i) std::memcpy(copy + i * t.k, t.a_rows[i], t.k);
   std::memset(copy + R * t.k, 0, (kTileRows - R) * t.k);
   *stride = t.k;
@@ -99,7 +101,96 @@ struct AmxInt8Dot {
   }
 };
 
+// int4_w4a16 as W4A8, as the VNNI unit computes it: the block's nibbles widened once per call into the int8 quad
+// layout (codes 0..15 as u8: k-octet s's low nibbles are quad 2s, its high ones quad 2s + 1), its group metadata
+// copied behind them; then TDPBSUD (signed activations x unsigned codes), one group of g k at a time, and the VNNI
+// unit's per-group float operations in its order: tot += scale * (sum - zero * sum_g(a)), y = tot * a's scale.
+const void* widen_int4(const GemmTile& t) {
+  const uint8_t* b = static_cast<const uint8_t*>(t.b);
+  const int64_t meta_bytes = 4 * int4_group_floats(t.symmetric) * (t.k / t.group);
+  uint8_t* dst = qx86::scratch(64 * t.k + meta_bytes);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t s = 0; s < t.k / 8; ++s)
+    for (int c = 0; c < 4; ++c) {
+      const __m512i raw = _mm512_loadu_si512(b + 256 * s + 64 * c);
+      _mm512_store_si512(dst + 512 * s + 64 * c, _mm512_and_si512(raw, low4));
+      _mm512_store_si512(dst + 512 * s + 256 + 64 * c, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+    }
+  std::memcpy(dst + 64 * t.k, b + 32 * t.k, meta_bytes);
+  return dst;
+}
+
+template <int R>
+struct AmxInt4Dot {  // over widen_int4's block
+  static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
+    const uint8_t* b = static_cast<const uint8_t*>(t.b);
+    const int64_t Kp = t.k, g = t.group, stride_meta = int4_group_floats(t.symmetric);
+    const float* meta = reinterpret_cast<const float*>(b + 64 * Kp);
+    int64_t stride;
+    const uint8_t* a = strided_codes<R>(t, &stride);
+    const qx86::A8Rows<R> rows(t);
+    __m512 tot[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) tot[r][c] = _mm512_setzero_ps();
+    alignas(64) int32_t acc[kTileRows * 64];
+    for (int64_t k0 = 0; k0 < Kp; k0 += g) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k = k0; k < k0 + g; k += kStepK) {
+        const uint8_t* bq = b + (k / 4) * kQuadBytes;
+        _tile_loadd(4, a + k, stride);
+        _tile_loadd(6, bq, kQuadBytes);
+        _tile_loadd(7, bq + 64, kQuadBytes);
+        _tile_dpbsud(0, 4, 6);
+        _tile_dpbsud(1, 4, 7);
+        _tile_loadd(6, bq + 128, kQuadBytes);
+        _tile_loadd(7, bq + 192, kQuadBytes);
+        _tile_dpbsud(2, 4, 6);
+        _tile_dpbsud(3, 4, 7);
+      }
+      _tile_stored(0, acc, 256);
+      _tile_stored(1, acc + 16, 256);
+      _tile_stored(2, acc + 32, 256);
+      _tile_stored(3, acc + 48, 256);
+      const float* scale = meta + stride_meta * (k0 / g);
+      const float* zeros = int4_zeros(scale, t.symmetric);
+      __m512 sum_a[R];
+      for (int r = 0; r < R; ++r) sum_a[r] = _mm512_set1_ps(float(qx86::a8_sum(rows.sums[r], k0, k0 + g)));
+      for (int c = 0; c < 4; ++c) {
+        const __m512 sw = _mm512_loadu_ps(scale + 16 * c), zero = _mm512_loadu_ps(zeros + 16 * c);
+        for (int r = 0; r < R; ++r) {  // unfused, in quant_generic's order
+          const __m512 sums = _mm512_cvtepi32_ps(_mm512_load_si512(acc + 64 * r + 16 * c));
+          const __m512 v = _mm512_sub_ps(sums, _mm512_mul_ps(zero, sum_a[r]));
+          tot[r][c] = _mm512_add_ps(tot[r][c], _mm512_mul_ps(sw, v));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sa = _mm512_set1_ps(qx86::a8_scale(rows.a[r], Kp));
+      for (int c = 0; c < 4; ++c) y[r][c] = (simd::f32x16)_mm512_mul_ps(tot[r][c], sa);
+    }
+  }
+};
+
 using AmxInt8Tiles = qx86::Tiles<AmxInt8Dot, DType::kFloat32, kTileRows>;
+using AmxInt4Tiles = qx86::Tiles<AmxInt4Dot, DType::kFloat32, kTileRows>;
+
+// From kMinRows rows and for groups of whole AMX k-steps (64 k); the VNNI unit's tiles otherwise.
+template <bool W13>
+void int4_tile(const GemmTile& t) {
+  if (t.rows < kMinRows || t.group % kStepK != 0) {
+    const QuantKernel* vnni = quant_x86_avx512vnni(QuantFormat::kInt4W4A16);
+    return W13 ? vnni->w13_tile(t) : vnni->w2_tile(t);
+  }
+  GemmTile wide = t;
+  wide.b = widen_int4(t);
+  amx::configure_tiles();
+  if constexpr (W13) AmxInt4Tiles::w13(wide);
+  else AmxInt4Tiles::w2(wide);
+  _tile_release();
+}
 
 // fp8_w8a16 from kMinRows rows: the AVX-512 BF16 unit widens the block to bf16 once, as its own prefill does, and
 // x86-amx's tiles take it (chunk by chunk of g k, each rescaled in float32). A g that is not a multiple of 32 (an
@@ -131,8 +222,11 @@ const QuantKernel* quant_x86_amx(QuantFormat f) {
   static const QuantKernel int8{kTileRows, true, int8_tile<true>, int8_tile<false>, write_quantized_row,
                                 /*sorted_rows=*/true};
   static const QuantKernel fp8{kTileRows, false, fp8_tile<true>, fp8_tile<false>, nullptr, /*sorted_rows=*/true};
+  static const QuantKernel int4{kTileRows, false, int4_tile<true>, int4_tile<false>, write_quantized_row,
+                                /*sorted_rows=*/true};
   switch (f) {
     case QuantFormat::kInt8W8A8: return &int8;
+    case QuantFormat::kInt4W4A16: return &int4;
     case QuantFormat::kFp8W8A16: return &fp8;
     default: return nullptr;
   }
