@@ -1,8 +1,9 @@
 // x86 AMX BF16: TDPBF16PS tile products over the kPairs blocks that x86-avx512bf16 packs ([K/2][64][2] bf16), so
 // the two backends share their packed weights. A B tile (16 k-pairs x 16 columns, 64 bytes a row) is read in place
 // from a block with the block's 256-byte pair stride; an A tile is 16 activation rows x 32 k, read in place when the
-// rows are evenly spaced in memory (w2's intermediate rows, a dense linear's rows) and copied together first when
-// they are not (w13's rows are the tokens an expert was routed, scattered over the batch).
+// rows are evenly spaced in memory (w2's intermediate rows, a dense linear's rows, and w13's rows, the tokens routed
+// to an expert, once the fused driver has copied them into expert order: KernelTable::sorted_rows) and copied
+// together first when they are not. The fp8 prefill of quant_amx.cpp runs here too (kernels_amx.h).
 //
 // AMX pays where a block is reused across rows: calls of kMinRows rows or more run in tiles of 16 rows (the last
 // padded with zero rows), four 16 x 16 float32 accumulator tiles at a time. Decode calls (fewer rows) go
@@ -56,7 +57,7 @@ void tile_products(const char* a, int64_t a_stride, const char* b, int64_t pairs
   _tile_stored(3, c + 48, 256);
 }
 
-// The k-pairs past the last whole tile ([from, pairs)), added to c[R][64] with VDPBF16PS.
+// The k-pairs past the last whole tile ([from, pairs)), added to c[rows][64] with VDPBF16PS.
 void tail_pairs(const char* a, int64_t a_stride, const char* b, int64_t from, int64_t pairs, int rows, float* c) {
   for (int r = 0; r < rows; ++r) {
     const uint32_t* ar = reinterpret_cast<const uint32_t*>(a + r * a_stride);
