@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cpumoe.experts import ExpertsConfig, choose_backend
+from cpumoe.experts import ExpertsConfig, choose_backend, rows_independent_backend
 from cpumoe.experts.base import ExpertReader, QuantExpertReader
 from cpumoe.quant import QuantFormat, QuantizedWeight, parse_format, quantize
 from cpumoe.routing import select_experts
@@ -108,6 +108,11 @@ class FusedMoE(nn.Module):
             first13, first2 = expert_reader(0)
             w13, w2 = first13.meta_stack(num_local_experts), first2.meta_stack(num_local_experts)
         return cls(w13, w2, top_k=top_k, expert_reader=expert_reader, dtype=dtype, **kwargs)
+
+    def make_batch_invariant(self) -> None:
+        """Run on a backend whose rows never depend on how many share a call (rows_independent_backend); the packed
+        weights stay as they are."""
+        self.impl = rows_independent_backend(self.config, self.impl)
 
     @property
     def quantization(self) -> str:

@@ -53,6 +53,8 @@ class PreparedExperts:
 class ExpertsBackend:
     """One way to run the experts. Subclasses set `name` and implement the three methods."""
     name: str = "?"
+    # A row's result never depends on how many rows share its call (what batch-invariant engines need).
+    rows_independent: bool = True
 
     def is_supported(self, config: ExpertsConfig) -> tuple[bool, str]:
         """(True, "") when this backend can run `config` on this machine, else (False, why not)."""

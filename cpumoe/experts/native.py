@@ -9,6 +9,10 @@ from cpumoe import ops
 from cpumoe.experts.base import ExpertsBackend, ExpertsConfig, PreparedExperts, check_common
 from cpumoe.quant import QuantFormat, QuantizedWeight
 
+# Backends whose sums for a row depend on the call's row count: x86-amx runs calls of 4 rows or more on AMX tiles
+# and fewer on the AVX-512 tiles, which add up a row's products in another order.
+ROW_COUNT_DEPENDENT = frozenset({"x86-amx"})
+
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -16,6 +20,7 @@ class NativeExperts(ExpertsBackend):
     def __init__(self, name: str, unavailable: str, layout: str, rows_per_tile: int, dtypes: list[str],
                  formats: list[str]):
         self.name = name
+        self.rows_independent = name not in ROW_COUNT_DEPENDENT
         self.unavailable = unavailable
         self.layout = layout
         self.rows_per_tile = rows_per_tile

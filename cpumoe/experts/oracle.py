@@ -40,6 +40,22 @@ def _log_choice(config: ExpertsConfig, chosen: str, passed_over: str) -> None:
     log.info("cpumoe experts: %s for %s%s", chosen, config, f" (passed over: {passed_over})" if passed_over else "")
 
 
+def rows_independent_backend(config: ExpertsConfig, current: ExpertsBackend) -> ExpertsBackend:
+    """`current` when its rows never depend on their call's row count, else the fastest backend that supports
+    `config`, is row-independent and packs as `current` does (so the packed weights serve it unchanged: quantized
+    blocks are the same for every backend, dense ones follow the backend's layout)."""
+    if current.rows_independent:
+        return current
+    layout = getattr(current, "layout", None)
+    for impl in all_backends():
+        same_packing = config.quantization != "none" or getattr(impl, "layout", None) == layout
+        if impl.rows_independent and same_packing and impl.name != "naive" and impl.is_supported(config)[0]:
+            log.info("batch-invariant: %s runs on %s in place of %s (whose sums depend on a call's row count)",
+                     config.quantization if config.quantization != "none" else config.dtype, impl.name, current.name)
+            return impl
+    raise NoSupportedBackend(f"no row-independent backend packs as {current.name} does for this layer")
+
+
 def choose_backend(config: ExpertsConfig, backend: str = "auto") -> ExpertsBackend:
     """The fastest backend supporting `config` (backend="auto"), or the named one if it supports it."""
     if backend != "auto":

@@ -140,7 +140,8 @@ class CausalLM(nn.Module):
         (the engine's batch_invariant): attention runs as cpumoe.attention.row_attention, and the products that
         torch's GEMMs would compute (float32 routers, MLA's absorbed heads, a tied lm_head) get copies packed for
         cpumoe's linear kernel, whose rows never depend on how many there are. The experts and the packed
-        projections are so already. Each module that needs it has a make_batch_invariant of its own."""
+        projections are so on every backend but those whose sums depend on a call's row count (x86-amx): they move
+        to one that packs alike. Each module that needs it has a make_batch_invariant of its own."""
         torch_gemms = [name for name, m in self.named_modules() if type(m) is nn.Linear
                        or (isinstance(m, QuantizedLinear) and m.packed_weight is None)]
         if torch_gemms:

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from cpumoe import ops
-from cpumoe.experts import ExpertsConfig, choose_backend
+from cpumoe.experts import ExpertsConfig, choose_backend, rows_independent_backend
+from cpumoe.experts.oracle import find_backend
 from cpumoe.logs import logger
 from cpumoe.quant import QuantizedWeight, dequantize
 
@@ -49,6 +50,11 @@ class PackedLinear(nn.Module):
         linear.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         return linear
 
+    def make_batch_invariant(self) -> None:
+        """As FusedMoE.make_batch_invariant: a backend whose rows never depend on the call's row count."""
+        config = ExpertsConfig(hidden_size=64, inter_size=64, num_experts=1, top_k=1, dtype=self.packed_weight.dtype)
+        self.backend = rows_independent_backend(config, find_backend(self.backend)).name
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         return ops.linear(x.contiguous(), self.packed_weight, self.bias, backend=self.backend,
                           out_features=self.out_features)
@@ -64,6 +70,7 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.format = weight.format
+        self.activation_dtype = dtype
         self.group_size = 0 if weight.group_size == self.in_features else weight.group_size  # 0: a whole row
         config = ExpertsConfig(hidden_size=self.in_features, inter_size=self.out_features, num_experts=1, top_k=1,
                                dtype=dtype, quantization=weight.format.value, group_size=self.group_size)
@@ -91,10 +98,19 @@ class QuantizedLinear(nn.Module):
         nn.Module.__init__(linear)
         linear.out_features, linear.in_features = out_features, like.in_features
         linear.format, linear.group_size, linear.backend = like.format, like.group_size, like.backend
+        linear.activation_dtype = like.activation_dtype
         linear.register_buffer("packed_weight", packed_weight, persistent=False)
         linear.dense_weight = None
         linear.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         return linear
+
+    def make_batch_invariant(self) -> None:
+        """As FusedMoE.make_batch_invariant (a dequantized linear runs torch's GEMM: CausalLM refuses it)."""
+        if self.packed_weight is not None:
+            config = ExpertsConfig(hidden_size=self.in_features, inter_size=self.out_features, num_experts=1, top_k=1,
+                                   dtype=self.activation_dtype, quantization=self.format.value,
+                                   group_size=self.group_size)
+            self.backend = rows_independent_backend(config, find_backend(self.backend)).name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if self.packed_weight is None:

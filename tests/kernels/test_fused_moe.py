@@ -138,3 +138,16 @@ def test_expert_reader_shape_mismatch_is_named():
     p = make_problem(MoECase(M=2, H=64, I=32, E=2, k=1), torch.float32)
     with pytest.raises(ValueError, match="expert 0: w13"):
         cpumoe.FusedMoE(p.w13.to("meta"), p.w2.to("meta"), top_k=1, expert_reader=lambda e: (p.w13[e][:10], p.w2[e]))
+
+
+@pytest.mark.parametrize("backend,dtype", [p for p in backend_dtype_grid() if p.values[0] != "naive"])
+def test_batch_invariant_layer_gives_a_row_the_same_bits_alone_and_in_a_batch(backend, dtype):
+    """After make_batch_invariant a token's output does not depend on the other tokens of the call: x86-amx (AMX
+    tiles from 4 rows, AVX-512 ones below) hands the layer to a backend that packs alike; the others stay."""
+    p = make_problem(MoECase(M=40, H=128, I=96, E=2, k=1), dtype)
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=1, backend=backend)
+    layer.make_batch_invariant()
+    assert (layer.backend != "x86-amx") and (backend == "x86-amx" or layer.backend == backend)
+    batch = layer.experts(p.x, p.topk_weights, p.topk_ids)
+    alone = layer.experts(p.x[:1], p.topk_weights[:1], p.topk_ids[:1])
+    assert torch.equal(alone[0], batch[0])

@@ -45,8 +45,11 @@ def server(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("hostile_log") / "serve.log"
     with open(log, "w") as out:
+        # Batch-invariant: a valid stream's text must not depend on which other requests share its steps, and only
+        # that mode makes it exact (by default x86-amx sums a row on AMX tiles or AVX-512 ones by its call's rows).
         proc = subprocess.Popen([sys.executable, "-m", "cpumoe", "serve", str(path), "--port", str(port),
-                                 "--kv-cache-gb", "0.2", "--served-model-name", "m", "--log-level", "warning"],
+                                 "--kv-cache-gb", "0.2", "--served-model-name", "m", "--log-level", "warning",
+                                 "--batch-invariant"],
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
         try:
             _wait_up(proc, port, log)
