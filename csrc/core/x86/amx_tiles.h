@@ -32,5 +32,37 @@ inline void configure_tiles() {
   asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
+inline void zero_accumulators() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// Accumulators 0-3 into c[16][64] (float32 or int32), their 16 columns side by side.
+inline void store_accumulators(void* c) {
+  char* p = static_cast<char*>(c);
+  _tile_stored(0, p, 256);
+  _tile_stored(1, p + 64, 256);
+  _tile_stored(2, p + 128, 256);
+  _tile_stored(3, p + 192, 256);
+}
+
 }  // namespace amx
 }  // namespace cpumoe
+
+// One k-step of a 16-row x 64-column tile product: A (16 rows of 64 bytes at a, a_stride apart) into tile 4 against
+// a block's four B tiles (16 rows of 256 bytes at b, 64 bytes a tile) into accumulators 0-3. OP is the tile product
+// (_tile_dpbf16ps, _tile_dpbusd, _tile_dpbsud); a macro because those intrinsics are macros of literal tile numbers.
+#define CPUMOE_AMX_K_STEP(OP, a, a_stride, b) \
+  do {                                        \
+    _tile_loadd(4, (a), (a_stride));          \
+    _tile_loadd(6, (b), 256);                 \
+    _tile_loadd(7, (b) + 64, 256);            \
+    OP(0, 4, 6);                              \
+    OP(1, 4, 7);                              \
+    _tile_loadd(6, (b) + 128, 256);           \
+    _tile_loadd(7, (b) + 192, 256);           \
+    OP(2, 4, 6);                              \
+    OP(3, 4, 7);                              \
+  } while (0)

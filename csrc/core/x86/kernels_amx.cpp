@@ -28,33 +28,17 @@ constexpr int kTilePairs = 16;  // k-pairs per A/B tile (32 bf16 of k)
 // rows do on the AVX-512 BF16 tiles: 4 TDPBF16PS of 16 cycles per 16 k-pairs, against 4 VDPBF16PS a row and k-pair
 // at two a cycle. From 4 rows AMX is ahead with a margin; below, the AVX-512 tiles stream the block (decode).
 constexpr int kMinRows = 4;
-constexpr int64_t kPairBytes = kBlockCols * 2 * 2;  // one k-pair of a block: 64 columns x 2 bf16
+constexpr int64_t kPairBytes = kBlockCols * 2 * 2;  // a k-pair of a block: 64 columns x 2 bf16
 
 // c[16][64] = a[16 rows, stride a_stride bytes] . the block's 64 columns over k-pairs [0, pairs), pairs a multiple
 // of 16: one A tile against the four B tiles of a k-step, so each k-step reads whole 256-byte rows of the block (a
 // 32-row group, two A tiles against two B tiles a half of the block at a time, ran 10% slower at M = 512 and 2048:
 // it read the block in two strided passes).
 void tile_products(const char* a, int64_t a_stride, const char* b, int64_t pairs, float* c) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t p = 0; p < pairs; p += kTilePairs) {
-    const char* bp = b + p * kPairBytes;
-    _tile_loadd(4, a + p * 4, a_stride);
-    _tile_loadd(6, bp, kPairBytes);
-    _tile_loadd(7, bp + 64, kPairBytes);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(6, bp + 128, kPairBytes);
-    _tile_loadd(7, bp + 192, kPairBytes);
-    _tile_dpbf16ps(2, 4, 6);
-    _tile_dpbf16ps(3, 4, 7);
-  }
-  _tile_stored(0, c, 256);
-  _tile_stored(1, c + 16, 256);
-  _tile_stored(2, c + 32, 256);
-  _tile_stored(3, c + 48, 256);
+  amx::zero_accumulators();
+  for (int64_t p = 0; p < pairs; p += kTilePairs)
+    CPUMOE_AMX_K_STEP(_tile_dpbf16ps, a + p * 4, a_stride, b + p * kPairBytes);
+  amx::store_accumulators(c);
 }
 
 // The k-pairs past the last whole tile ([from, pairs)), added to c[rows][64] with VDPBF16PS.
@@ -120,8 +104,8 @@ void group(const GemmTile& t, int first, int n, float* c, std::vector<uint16_t>&
   }
 }
 
-// Runs the call's rows in AMX tiles of 16 (the last one padded with zero rows when kMinRows or more are left), and hands
-// calls of fewer rows to the AVX-512 BF16 tiles; epilogue(r, c_row) finishes row r from its 64 float32 sums.
+// Runs the call's rows in AMX tiles of 16, the last one padded with zero rows; a call of fewer than kMinRows rows goes
+// to `fewer_rows` instead (the AVX-512 BF16 tiles). epilogue(r, c_row) finishes row r from its 64 float32 sums.
 template <typename Epilogue>
 void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows, const float* chunk_scales = nullptr) {
   if (t.rows < kMinRows && fewer_rows) return fewer_rows(t);

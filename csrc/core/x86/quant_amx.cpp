@@ -56,27 +56,11 @@ struct AmxInt8Dot {
     int64_t stride;
     const uint8_t* a = strided_codes<R>(t, &stride);
     const int64_t whole = t.k / kStepK * kStepK;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k = 0; k < whole; k += kStepK) {
-      const uint8_t* bq = b + (k / 4) * kQuadBytes;
-      _tile_loadd(4, a + k, stride);
-      _tile_loadd(6, bq, kQuadBytes);
-      _tile_loadd(7, bq + 64, kQuadBytes);
-      _tile_dpbusd(0, 4, 6);
-      _tile_dpbusd(1, 4, 7);
-      _tile_loadd(6, bq + 128, kQuadBytes);
-      _tile_loadd(7, bq + 192, kQuadBytes);
-      _tile_dpbusd(2, 4, 6);
-      _tile_dpbusd(3, 4, 7);
-    }
+    amx::zero_accumulators();
+    for (int64_t k = 0; k < whole; k += kStepK)
+      CPUMOE_AMX_K_STEP(_tile_dpbusd, a + k, stride, b + (k / 4) * kQuadBytes);
     alignas(64) int32_t acc[kTileRows * 64];
-    _tile_stored(0, acc, 256);
-    _tile_stored(1, acc + 16, 256);
-    _tile_stored(2, acc + 32, 256);
-    _tile_stored(3, acc + 48, 256);
+    amx::store_accumulators(acc);
     for (int r = 0; r < R; ++r) {  // the quads past the last whole tile (Kp is a multiple of 32, not of 64)
       const int32_t* ar = static_cast<const int32_t*>(t.a_rows[r]);
       for (int64_t q = whole / 4; q < t.k / 4; ++q) {
@@ -134,26 +118,10 @@ struct AmxInt4Dot {  // over widen_int4's block
       for (int c = 0; c < 4; ++c) tot[r][c] = _mm512_setzero_ps();
     alignas(64) int32_t acc[kTileRows * 64];
     for (int64_t k0 = 0; k0 < Kp; k0 += g) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t k = k0; k < k0 + g; k += kStepK) {
-        const uint8_t* bq = b + (k / 4) * kQuadBytes;
-        _tile_loadd(4, a + k, stride);
-        _tile_loadd(6, bq, kQuadBytes);
-        _tile_loadd(7, bq + 64, kQuadBytes);
-        _tile_dpbsud(0, 4, 6);
-        _tile_dpbsud(1, 4, 7);
-        _tile_loadd(6, bq + 128, kQuadBytes);
-        _tile_loadd(7, bq + 192, kQuadBytes);
-        _tile_dpbsud(2, 4, 6);
-        _tile_dpbsud(3, 4, 7);
-      }
-      _tile_stored(0, acc, 256);
-      _tile_stored(1, acc + 16, 256);
-      _tile_stored(2, acc + 32, 256);
-      _tile_stored(3, acc + 48, 256);
+      amx::zero_accumulators();
+      for (int64_t k = k0; k < k0 + g; k += kStepK)
+        CPUMOE_AMX_K_STEP(_tile_dpbsud, a + k, stride, b + (k / 4) * kQuadBytes);
+      amx::store_accumulators(acc);
       const float* scale = meta + stride_meta * (k0 / g);
       const float* zeros = int4_zeros(scale, t.symmetric);
       __m512 sum_a[R];
