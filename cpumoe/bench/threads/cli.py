@@ -15,7 +15,7 @@ PROG = "cpumoe bench threads"
 
 def default_threads() -> list[int]:
     """1, 2, 4, ... up to this machine's cores, and the cores themselves."""
-    cores = len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     counts = [1 << i for i in range(cores.bit_length()) if 1 << i <= cores]
     return counts + ([cores] if counts[-1] != cores else [])
 
