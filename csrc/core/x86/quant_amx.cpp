@@ -6,7 +6,8 @@
 // in its order (the file builds with -ffp-contract=off), so the results are bit for bit those of the VNNI tiles and
 // of quant_generic.
 // Calls of fewer than kMinRows rows (decode) run on the VNNI unit's register tiles, which stream the block.
-// fp8_w8a16 (below) runs its prefill on x86-amx's bf16 tiles.
+// Below them: int4_w4a16 as W4A8 with TDPBSUD over its widened nibbles (the same bits again), and fp8_w8a16's
+// prefill on x86-amx's bf16 tiles.
 #include "../quant_row.h"
 #include "amx_tiles.h"
 #include "kernels_amx.h"
