@@ -126,12 +126,16 @@ struct AmxInt4Dot {  // over widen_int4's block
       const float* scale = meta + stride_meta * (k0 / g);
       const float* zeros = int4_zeros(scale, t.symmetric);
       __m512 sum_a[R];
-      for (int r = 0; r < R; ++r) sum_a[r] = _mm512_set1_ps(float(qx86::a8_sum(rows.sums[r], k0, k0 + g)));
+      __m512 zero_sum[R];  // symmetric: zero * sum_a is one value a row (every zero is 8), taken once
+      for (int r = 0; r < R; ++r) {
+        sum_a[r] = _mm512_set1_ps(float(qx86::a8_sum(rows.sums[r], k0, k0 + g)));
+        zero_sum[r] = _mm512_mul_ps(_mm512_loadu_ps(zeros), sum_a[r]);
+      }
       for (int c = 0; c < 4; ++c) {
         const __m512 sw = _mm512_loadu_ps(scale + 16 * c), zero = _mm512_loadu_ps(zeros + 16 * c);
         for (int r = 0; r < R; ++r) {  // unfused, in quant_generic's order
           const __m512 sums = _mm512_cvtepi32_ps(_mm512_load_si512(acc + 64 * r + 16 * c));
-          const __m512 v = _mm512_sub_ps(sums, _mm512_mul_ps(zero, sum_a[r]));
+          const __m512 v = _mm512_sub_ps(sums, t.symmetric ? zero_sum[r] : _mm512_mul_ps(zero, sum_a[r]));
           tot[r][c] = _mm512_add_ps(tot[r][c], _mm512_mul_ps(sw, v));
         }
       }
