@@ -48,8 +48,10 @@ std::vector<std::string> detect() {
     if (a1 & (1u << 5)) f.push_back("avx512_bf16");
   }
   if (d & (1u << 24)) f.push_back("amx_tile");
-  if ((d & (1u << 22)) && amx_permitted(xcr0)) f.push_back("amx_bf16");
-  if ((d & (1u << 25)) && amx_permitted(xcr0)) f.push_back("amx_int8");
+  if ((d & ((1u << 22) | (1u << 25))) && amx_permitted(xcr0)) {
+    if (d & (1u << 22)) f.push_back("amx_bf16");
+    if (d & (1u << 25)) f.push_back("amx_int8");
+  }
   return f;
 }
 #elif defined(__aarch64__)

@@ -1,10 +1,13 @@
 // The tile configuration the AMX units share (kernels_amx.cpp, quant_amx.cpp): eight tiles of 16 rows x 64 bytes.
 // Tiles 0-3 accumulate (16 x 16 float32 or int32), 4 holds A (16 rows x 64 bytes of k), 6-7 hold B (16 k-steps x
-// 16 columns x 64 bytes). Built with -mamx-tile.
+// 16 columns x 64 bytes). Built with -mamx-tile. The inline functions here are shared by units of different ISA
+// flags; the linker keeps one copy, which is safe because x86-amx runs only where every one of those flags holds.
 #pragma once
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace cpumoe {
 namespace amx {
@@ -30,6 +33,26 @@ inline void configure_tiles() {
   // Not _tile_loadconfig: GCC 12's declares only the first 8 bytes of the configuration as read, and the stores to
   // the rest may be dropped as dead (a tile instruction then faults as not configured).
   asm volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+// n (<= 16) activation rows of row_bytes each as one strided array of 16 rows for an A tile: in place when n == 16
+// and the rows are evenly spaced at least a row apart, else copied into this thread's buffer with the rows past n
+// zero (a tile of fewer rows than it holds; their sums go unused). *stride: the bytes from row to row.
+inline const char* tile_rows(const void* const* rows, int n, int64_t row_bytes, int64_t* stride) {
+  const char* base = static_cast<const char*>(rows[0]);
+  const int64_t step = n > 1 ? static_cast<const char*>(rows[1]) - base : 0;
+  bool even = n == kTileRows && step >= row_bytes;
+  for (int i = 2; i < n && even; ++i) even = static_cast<const char*>(rows[i]) == base + i * step;
+  if (even) {
+    *stride = step;
+    return base;
+  }
+  thread_local std::vector<char> copy;
+  copy.resize(size_t(kTileRows) * row_bytes);
+  for (int i = 0; i < n; ++i) std::memcpy(copy.data() + i * row_bytes, rows[i], row_bytes);
+  std::memset(copy.data() + size_t(n) * row_bytes, 0, size_t(kTileRows - n) * row_bytes);
+  *stride = row_bytes;
+  return copy.data();
 }
 
 inline void zero_accumulators() {

@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #include "../simd.h"
 #include "amx_tiles.h"
@@ -56,33 +55,13 @@ void tail_pairs(const char* a, int64_t a_stride, const char* b, int64_t from, in
   }
 }
 
-// Rows [first, first + n) of the call as one strided array of `rows` rows: in place when evenly spaced and n == rows,
-// else copied into `copy` (rows past n zero: a tile of fewer rows than it holds).
-const char* strided_rows(const GemmTile& t, int first, int n, int rows, std::vector<uint16_t>& copy,
-                         int64_t* stride) {
-  const char* base = static_cast<const char*>(t.a_rows[first]);
-  bool even = n == rows;
-  const int64_t step = n > 1 ? static_cast<const char*>(t.a_rows[first + 1]) - base : 0;
-  even = even && step >= t.k * 2;
-  for (int i = 2; i < n && even; ++i) even = static_cast<const char*>(t.a_rows[first + i]) == base + i * step;
-  if (even) {
-    *stride = step;
-    return base;
-  }
-  copy.resize(size_t(rows) * t.k);
-  for (int i = 0; i < n; ++i) std::memcpy(copy.data() + i * t.k, t.a_rows[first + i], t.k * 2);
-  std::memset(copy.data() + size_t(n) * t.k, 0, size_t(rows - n) * t.k * 2);
-  *stride = t.k * 2;
-  return reinterpret_cast<const char*>(copy.data());
-}
-
 // c[16][64] for rows [first, first + n) of the call (n <= 16; rows past n are zeros and their sums unused).
 // chunk_scales: a widened fp8 block's float32 scales [ceil(k / t.group)][64] (t.group a multiple of 32): each
 // chunk of t.group k sums on its own and adds scale * sum, as the AVX-512 BF16 unit's chunked tiles do; nullptr:
 // plain bf16 weights.
-void group(const GemmTile& t, int first, int n, float* c, std::vector<uint16_t>& copy, const float* chunk_scales) {
+void group(const GemmTile& t, int first, int n, float* c, const float* chunk_scales) {
   int64_t stride;
-  const char* a = strided_rows(t, first, n, kTileRows, copy, &stride);
+  const char* a = amx::tile_rows(t.a_rows + first, n, t.k * 2, &stride);
   const char* b = static_cast<const char*>(t.b);
   const int64_t pairs = t.k / 2, whole = pairs / kTilePairs * kTilePairs;
   if (!chunk_scales) {
@@ -110,11 +89,10 @@ template <typename Epilogue>
 void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows, const float* chunk_scales = nullptr) {
   if (t.rows < kMinRows && fewer_rows) return fewer_rows(t);
   alignas(64) float c[kTileRows * 64];
-  thread_local std::vector<uint16_t> copy;
   amx::configure_tiles();
   for (int done = 0; done < t.rows;) {
     const int n = std::min(t.rows - done, kTileRows);
-    group(t, done, n, c, copy, chunk_scales);
+    group(t, done, n, c, chunk_scales);
     for (int r = 0; r < n; ++r) epilogue(done + r, c + r * 64);
     done += n;
   }

@@ -27,35 +27,12 @@ inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
   return acc;
 }
 
-// The R rows' codes as one strided array of 16 rows: in place when R == 16 and evenly spaced, else copied (rows past
-// R zero; their sums go unused).
-template <int R>
-const uint8_t* strided_codes(const GemmTile& t, int64_t* stride) {
-  const uint8_t* base = static_cast<const uint8_t*>(t.a_rows[0]);
-  if constexpr (R == kTileRows) {
-    const int64_t step = static_cast<const uint8_t*>(t.a_rows[1]) - base;
-    bool even = step >= t.k;
-    for (int i = 2; i < R && even; ++i) even = static_cast<const uint8_t*>(t.a_rows[i]) == base + i * step;
-    if (even) {
-      *stride = step;
-      return base;
-    }
-  }
-  thread_local std::vector<uint8_t> rows_copy;  // not qx86::scratch: that holds a widened int4 block
-  rows_copy.resize(kTileRows * t.k);
-  uint8_t* copy = rows_copy.data();
-  for (int i = 0; i < R; ++i) std::memcpy(copy + i * t.k, t.a_rows[i], t.k);
-  std::memset(copy + R * t.k, 0, (kTileRows - R) * t.k);
-  *stride = t.k;
-  return copy;
-}
-
 template <int R>
 struct AmxInt8Dot {
   static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
     const uint8_t* b = static_cast<const uint8_t*>(t.b);
     int64_t stride;
-    const uint8_t* a = strided_codes<R>(t, &stride);
+    const uint8_t* a = reinterpret_cast<const uint8_t*>(amx::tile_rows(t.a_rows, R, t.k, &stride));
     const int64_t whole = t.k / kStepK * kStepK;
     amx::zero_accumulators();
     for (int64_t k = 0; k < whole; k += kStepK)
@@ -112,7 +89,7 @@ struct AmxInt4Dot {  // over widen_int4's block
     const int64_t Kp = t.k, g = t.group, stride_meta = int4_group_floats(t.symmetric);
     const float* meta = reinterpret_cast<const float*>(b + 64 * Kp);
     int64_t stride;
-    const uint8_t* a = strided_codes<R>(t, &stride);
+    const uint8_t* a = reinterpret_cast<const uint8_t*>(amx::tile_rows(t.a_rows, R, t.k, &stride));
     const qx86::A8Rows<R> rows(t);
     __m512 tot[R][4];
     for (int r = 0; r < R; ++r)
