@@ -160,7 +160,7 @@ const QuantKernel& quant_generic(QuantFormat f);
 #if defined(__x86_64__)
 const QuantKernel* quant_x86_avx512vnni(QuantFormat f);  // int8, int4, mxfp4; nullptr for fp8
 const QuantKernel* quant_x86_avx512bf16(QuantFormat f);
-const QuantKernel* quant_x86_amx(QuantFormat f);        // int8, int4, fp8  // fp8
+const QuantKernel* quant_x86_amx(QuantFormat f);        // all four
 const QuantKernel* quant_x86_avx2(QuantFormat f);        // all four
 #endif
 #if defined(__aarch64__)

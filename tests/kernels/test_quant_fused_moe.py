@@ -255,13 +255,15 @@ def test_symmetric_and_zero_point_int4_do_not_join():
 
 @pytest.mark.skipif("x86-amx" not in native_backends_for("int8_w8a8", torch.bfloat16), reason="no AMX-INT8 here")
 @pytest.mark.parametrize("fmt,group,sym", [("int8_w8a8", None, True), ("int4_w4a16", 64, True),
-                                           ("int4_w4a16", 128, False)], ids=["int8", "int4-g64", "int4-g128-asym"])
+                                           ("int4_w4a16", 128, False), ("mxfp4_w4a16", None, True)],
+                         ids=["int8", "int4-g64", "int4-g128-asym", "mxfp4"])
 @pytest.mark.parametrize("case", [MoECase(M=120, H=160, I=128, E=4, k=2), MoECase(M=120, H=384, I=128, E=4, k=2),
                                   MoECase(M=70, H=2048, I=768, E=2, k=1)], ids=lambda c: c.id)
 def test_amx_a8_tiles_give_the_bits_of_the_generic_tiles(fmt, group, sym, case):
-    """x86-amx's TDPBUSD / TDPBSUD tiles sum int32 exactly and rescale as the VNNI tiles do: the same bits as
-    quant_generic. ~60 scattered rows an expert (whole tiles of 16, a padded one, w13's rows sorted by the driver);
-    K = 160 leaves an int8 k-quad tail past the last whole 64; 384 takes int4's groups; then the real qwen3 shapes."""
+    """x86-amx's TDPBUSD / TDPBSUD / TDPBSSD tiles sum int32 exactly and rescale as the VNNI tiles do: the same bits
+    as quant_generic. ~60 scattered rows an expert (whole tiles of 16, a padded one, w13's rows sorted by the driver);
+    K = 160 leaves an int8 k-quad tail past the last whole 64 (and 5 mxfp4 groups of 32); 384 takes int4's groups;
+    then the real qwen3 shapes."""
     if not fits(case, fmt, group):
         pytest.skip(f"group {group} does not divide H={case.H}")
     p = make_problem(case, torch.bfloat16)

@@ -23,13 +23,16 @@ struct alignas(64) TileConfig {
 };
 
 // Loaded at the start of every call that uses tiles: the configuration belongs to the thread, and other code on
-// the same thread (oneDNN's GEMMs under torch) sets its own. _tile_release() at the call's end.
-inline void configure_tiles() {
+// the same thread (oneDNN's GEMMs under torch) sets its own. _tile_release() at the call's end. k_bytes: the bytes
+// of k an A row holds (64; 32 for mxfp4's 32-k groups, B tiles then of 8 rows).
+inline void configure_tiles(int k_bytes = 64) {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
     cfg.colsb[i] = 64;
     cfg.rows[i] = kTileRows;
   }
+  cfg.colsb[4] = uint16_t(k_bytes);
+  cfg.rows[6] = cfg.rows[7] = uint8_t(k_bytes / 4);
   // Not _tile_loadconfig: GCC 12's declares only the first 8 bytes of the configuration as read, and the stores to
   // the rest may be dropped as dead (a tile instruction then faults as not configured).
   asm volatile("ldtilecfg %0" : : "m"(cfg));

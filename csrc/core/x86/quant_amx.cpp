@@ -6,8 +6,10 @@
 // in its order (the file builds with -ffp-contract=off), so the results are bit for bit those of the VNNI tiles and
 // of quant_generic.
 // Calls of fewer than kMinRows rows (decode) run on the VNNI unit's register tiles, which stream the block.
-// Below them: int4_w4a16 as W4A8 with TDPBSUD over its widened nibbles (the same bits again), and fp8_w8a16's
-// prefill on x86-amx's bf16 tiles.
+// Below them: int4_w4a16 as W4A8 with TDPBSUD over its widened nibbles (the same bits again), mxfp4_w4a16 with
+// TDPBSSD a 32-k group at a time (the same bits), and fp8_w8a16's prefill on x86-amx's bf16 tiles.
+#include <algorithm>
+
 #include "../quant_row.h"
 #include "amx_tiles.h"
 #include "kernels_amx.h"
@@ -19,6 +21,10 @@ namespace {
 
 using amx::kTileRows;
 constexpr int kMinRows = 4;        // as x86-amx's bf16 tiles
+// Fewest rows for the formats whose call widens its block first (int4, mxfp4): below a whole tile the widening
+// costs more than the tiles save (qwen3-30b-a3b's layer at M = 128, ~8 rows an expert: mxfp4 34.9 ms from 4 rows,
+// 28.6 from 16, 28.1 on the VNNI unit alone; int4 29.1, 26.6, 25.5; at M = 512 16 rows were as fast as 4).
+constexpr int kWidenedMinRows = 16;
 constexpr int64_t kStepK = 64;     // k per A/B tile: 16 quads
 constexpr int64_t kQuadBytes = 256;  // one k-quad of a block: 64 columns x 4 int8
 
@@ -124,13 +130,88 @@ struct AmxInt4Dot {  // over widen_int4's block
   }
 };
 
+// mxfp4_w4a16 as W4A8 (quant.h): the codes widened once per call through kMxfp4Twice into the int8 quad layout
+// (signed, -12..12; int4's nibble order, so widen_int4's placement), the e8m0 exponents copied behind them; then
+// TDPBSSD (signed x signed) a 32-k group at a time, with tiles configured for 32 bytes of k (an A row of 32, B
+// tiles of 8 quads): a group is half an AMX k-step. Each group's exact int32 sums are rescaled as the VNNI unit
+// does, tot += 2^(e - 127) x sum in group order, so the bits are the VNNI tiles'.
+// A TDPBSSD over 32 k took as long as one over 64 (int8's), so this runs at about the bf16 tiles' multiply-adds a
+// second, less the rescale: qwen3-30b-a3b's layer at M = 2048 in 202 ms against bf16's 162 (the VNNI unit: 265).
+// Without the rescale it took 172-175 ms; software-pipelining the tile products of a batch ahead of the previous
+// batch's rescale did not help (208-212 ms).
+constexpr int64_t kMxfp4StepK = kMxfp4Group;
+
+const void* widen_mxfp4(const GemmTile& t) {
+  const uint8_t* b = static_cast<const uint8_t*>(t.b);
+  uint8_t* dst = qx86::scratch(64 * t.k + 2 * t.k);
+  alignas(16) int8_t table[16];
+  for (int q = 0; q < 16; ++q) table[q] = kMxfp4Twice[q];
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t s = 0; s < t.k / 8; ++s)
+    for (int c = 0; c < 4; ++c) {
+      const __m512i raw = _mm512_loadu_si512(b + 256 * s + 64 * c);
+      const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(raw, low4));
+      const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+      _mm512_store_si512(dst + 512 * s + 64 * c, lo);
+      _mm512_store_si512(dst + 512 * s + 256 + 64 * c, hi);
+    }
+  std::memcpy(dst + 64 * t.k, b + 32 * t.k, 2 * t.k);
+  return dst;
+}
+
+template <int R>
+struct AmxMxfp4Dot {  // over widen_mxfp4's block
+  static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
+    const uint8_t* b = static_cast<const uint8_t*>(t.b);
+    const int64_t groups = t.k / kMxfp4StepK;
+    const uint8_t* exps = b + 64 * t.k;  // [groups][64]
+    int64_t stride;
+    const uint8_t* a = reinterpret_cast<const uint8_t*>(amx::tile_rows(t.a_rows, R, t.k, &stride));
+    // The sums of kBatch groups are stored side by side, then each total is read and written once a batch (a
+    // group's 16 x 64 sums are as many vector operations as its four tile products take cycles).
+    constexpr int kBatch = 4;
+    alignas(64) int32_t acc[kBatch][kTileRows * 64];
+    alignas(64) float tot[R * 64];  // set by the first batch
+    for (int64_t G0 = 0; G0 < groups; G0 += kBatch) {
+      const int n = int(std::min<int64_t>(kBatch, groups - G0));
+      for (int j = 0; j < n; ++j) {
+        amx::zero_accumulators();
+        CPUMOE_AMX_K_STEP(_tile_dpbssd, a + kMxfp4StepK * (G0 + j), stride,
+                          b + (kMxfp4StepK / 4) * kQuadBytes * (G0 + j));
+        amx::store_accumulators(acc[j]);
+      }
+      for (int c = 0; c < 4; ++c) {
+        __m512 scale[kBatch];
+        for (int j = 0; j < n; ++j) {  // 2^(e - 127); e = 0 gives 0
+          const __m128i e8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(exps + 64 * (G0 + j) + 16 * c));
+          scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(e8), 23));
+        }
+        for (int r = 0; r < R; ++r) {
+          // scale x sum is exact (a power of two times an integer below 2^16), so the fused multiply-add rounds
+          // once, where the VNNI unit's add does: the same bits.
+          __m512 v = G0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(tot + 64 * r + 16 * c);
+          for (int j = 0; j < n; ++j)
+            v = _mm512_fmadd_ps(scale[j], _mm512_cvtepi32_ps(_mm512_load_si512(acc[j] + 64 * r + 16 * c)), v);
+          _mm512_store_ps(tot + 64 * r + 16 * c, v);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 half_sa = _mm512_set1_ps(qx86::a8_scale(t.a_rows[r], t.k) * 0.5f);
+      for (int c = 0; c < 4; ++c) y[r][c] = (simd::f32x16)_mm512_mul_ps(_mm512_load_ps(tot + 64 * r + 16 * c), half_sa);
+    }
+  }
+};
+
 using AmxInt8Tiles = qx86::Tiles<AmxInt8Dot, DType::kFloat32, kTileRows>;
 using AmxInt4Tiles = qx86::Tiles<AmxInt4Dot, DType::kFloat32, kTileRows>;
+using AmxMxfp4Tiles = qx86::Tiles<AmxMxfp4Dot, DType::kFloat32, kTileRows>;
 
-// From kMinRows rows and for groups of whole AMX k-steps (64 k); the VNNI unit's tiles otherwise.
+// From kWidenedMinRows rows and for groups of whole AMX k-steps (64 k); the VNNI unit's tiles otherwise.
 template <bool W13>
 void int4_tile(const GemmTile& t) {
-  if (t.rows < kMinRows || t.group % kStepK != 0) {
+  if (t.rows < kWidenedMinRows || t.group % kStepK != 0) {
     const QuantKernel* vnni = quant_x86_avx512vnni(QuantFormat::kInt4W4A16);
     return W13 ? vnni->w13_tile(t) : vnni->w2_tile(t);
   }
@@ -142,7 +223,8 @@ void int4_tile(const GemmTile& t) {
   _tile_release();
 }
 
-// fp8_w8a16 from kMinRows rows: the AVX-512 BF16 unit widens the block to bf16 once, as its own prefill does, and
+// fp8_w8a16 from kMinRows rows (its other path, the AVX-512 BF16 unit's, is slower: at M = 128 51.7 ms from 4 rows,
+// 79.5 from 16): the AVX-512 BF16 unit widens the block to bf16 once, as its own prefill does, and
 // x86-amx's tiles take it (chunk by chunk of g k, each rescaled in float32). A g that is not a multiple of 32 (an
 // AMX k-step) stays on the AVX-512 BF16 unit.
 template <bool W13>
@@ -152,6 +234,20 @@ void fp8_tile(const GemmTile& t) {
   GemmTile wide = t;
   wide.b = avx512bf16_widen_fp8(t);
   W13 ? amx_fp8_widened_w13_tile(wide) : amx_fp8_widened_w2_tile(wide);
+}
+
+template <bool W13>
+void mxfp4_tile(const GemmTile& t) {
+  if (t.rows < kWidenedMinRows) {
+    const QuantKernel* vnni = quant_x86_avx512vnni(QuantFormat::kMxfp4W4A16);
+    return W13 ? vnni->w13_tile(t) : vnni->w2_tile(t);
+  }
+  GemmTile wide = t;
+  wide.b = widen_mxfp4(t);
+  amx::configure_tiles(kMxfp4StepK);
+  if constexpr (W13) AmxMxfp4Tiles::w13(wide);
+  else AmxMxfp4Tiles::w2(wide);
+  _tile_release();
 }
 
 template <bool W13>
@@ -174,12 +270,15 @@ const QuantKernel* quant_x86_amx(QuantFormat f) {
   static const QuantKernel fp8{kTileRows, false, fp8_tile<true>, fp8_tile<false>, nullptr, /*sorted_rows=*/true};
   static const QuantKernel int4{kTileRows, false, int4_tile<true>, int4_tile<false>, write_quantized_row,
                                 /*sorted_rows=*/true};
+  static const QuantKernel mxfp4{kTileRows, false, mxfp4_tile<true>, mxfp4_tile<false>, write_quantized_row,
+                                 /*sorted_rows=*/true};
   switch (f) {
     case QuantFormat::kInt8W8A8: return &int8;
     case QuantFormat::kInt4W4A16: return &int4;
     case QuantFormat::kFp8W8A16: return &fp8;
-    default: return nullptr;
+    case QuantFormat::kMxfp4W4A16: return &mxfp4;
   }
+  return nullptr;
 }
 
 }  // namespace cpumoe
