@@ -28,23 +28,15 @@ constexpr int kTilePairs = 16;  // k-pairs per A/B tile (32 bf16 of k)
 // at two a cycle. From 4 rows AMX is ahead with a margin; below, the AVX-512 tiles stream the block (decode).
 constexpr int kMinRows = 4;
 constexpr int64_t kPairBytes = kBlockCols * 2 * 2;  // a k-pair of a block: 64 columns x 2 bf16
-// A call's first row group reads its block from memory (the later ones find it in L2): it prefetches the block
-// 8 KB ahead into L1. Tile loads alone left the stream at 23 GB/s in a 16-row linear (lm_head's 32768 x 2048, the
-// probe at ~30): 24.8 with the prefetch; the qwen3-30b-a3b layer at M = 128 / 512 / 2048 went from 50.7 / 69.5 /
-// 158.1 ms to 49.0 / 67.3 / 146.9 (4 / 16 KB ahead: the same; into L2 instead of L1: no gain).
-constexpr int64_t kStreamAhead = 8192;
 
 // c[16][64] = a[16 rows, stride a_stride bytes] . the block's 64 columns over k-pairs [0, pairs), pairs a multiple
 // of 16: one A tile against the four B tiles of a k-step, so each k-step reads whole 256-byte rows of the block (a
 // 32-row group, two A tiles against two B tiles a half of the block at a time, ran 10% slower at M = 512 and 2048:
-// it read the block in two strided passes).
+// it read the block in two strided passes). stream: the call's first row group, which reads the block from memory.
 void tile_products(const char* a, int64_t a_stride, const char* b, int64_t pairs, float* c, bool stream) {
   amx::zero_accumulators();
   for (int64_t p = 0; p < pairs; p += kTilePairs) {
-    if (stream) {
-      const char* ahead = b + p * kPairBytes + kStreamAhead;
-      for (int l = 0; l < kTilePairs * kPairBytes / 64; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
-    }
+    if (stream) amx::prefetch_ahead(b + p * kPairBytes, kTilePairs * kPairBytes);
     CPUMOE_AMX_K_STEP(_tile_dpbf16ps, a + p * 4, a_stride, b + p * kPairBytes);
   }
   amx::store_accumulators(c);

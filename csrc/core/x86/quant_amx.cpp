@@ -9,6 +9,7 @@
 // Below them: int4_w4a16 as W4A8 with TDPBSUD over its widened nibbles (the same bits again), mxfp4_w4a16 with
 // TDPBSSD a 32-k group at a time (the same bits), and fp8_w8a16's prefill on x86-amx's bf16 tiles.
 #include <algorithm>
+#include <utility>
 
 #include "../quant_row.h"
 #include "amx_tiles.h"
@@ -33,6 +34,10 @@ inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
   return acc;
 }
 
+// Set by int8_tile before a call's row tiles: the first one reads the block from memory and prefetches it
+// (amx::prefetch_ahead), the later ones find it in L2.
+thread_local bool first_row_tile = false;
+
 template <int R>
 struct AmxInt8Dot {
   static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
@@ -40,9 +45,12 @@ struct AmxInt8Dot {
     int64_t stride;
     const uint8_t* a = reinterpret_cast<const uint8_t*>(amx::tile_rows(t.a_rows, R, t.k, &stride));
     const int64_t whole = t.k / kStepK * kStepK;
+    const bool stream = std::exchange(first_row_tile, false);
     amx::zero_accumulators();
-    for (int64_t k = 0; k < whole; k += kStepK)
+    for (int64_t k = 0; k < whole; k += kStepK) {
+      if (stream) amx::prefetch_ahead(b + (k / 4) * kQuadBytes, 16 * kQuadBytes);
       CPUMOE_AMX_K_STEP(_tile_dpbusd, a + k, stride, b + (k / 4) * kQuadBytes);
+    }
     alignas(64) int32_t acc[kTileRows * 64];
     amx::store_accumulators(acc);
     for (int r = 0; r < R; ++r) {  // the quads past the last whole tile (Kp is a multiple of 32, not of 64)
@@ -257,6 +265,7 @@ void int8_tile(const GemmTile& t) {
     return W13 ? vnni->w13_tile(t) : vnni->w2_tile(t);
   }
   amx::configure_tiles();
+  first_row_tile = true;
   if constexpr (W13) AmxInt8Tiles::w13(t);
   else AmxInt8Tiles::w2(t);
   _tile_release();
