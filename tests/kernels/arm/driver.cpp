@@ -17,6 +17,7 @@
 // Attention cases (op attention) take dtype, S, nh, nkv, d, dv, n, block_size, blocks, scale, sinks and q.bin
 // [S][nh][d], k_cache.bin [blocks][block_size][nkv][d], v_cache.bin [..][nkv][dv] (dtype), block_table.bin [S][n],
 // key_begin.bin, key_end.bin [S] (int64), sinks.bin [nh] f32 -> out.bin [S][nh][dv] dtype.
+// Greedy cases (op greedy) take rows, vocab and logits.bin [rows][vocab] f32 -> out.bin [rows] int64 (greedy.h).
 // Quantized cases add quant (int8_w8a8, int4_w4a16, ...: a format name) and group13, group2 (int4 group of
 // w13 and w2; 0 = a whole row), and replace w13.bin / w2.bin with the canonical cpumoe.quant.QuantizedWeight
 // tensors, packed here with quant_pack (as cpumoe/ops.py pack_quant does) and run on the backend's tiles:
@@ -36,6 +37,7 @@
 #include "core/attention.h"
 #include "core/cpu_features.h"
 #include "core/fused_moe.h"
+#include "core/greedy.h"
 #include "core/pack.h"
 #include "core/quant_pack.h"
 #include "guarded.h"
@@ -198,9 +200,20 @@ void run_attention(const std::string& dir, const Meta& meta, const Parallel& par
   write_out(path("out.bin"), out, "decode_attention on " + name);
 }
 
+// An "op greedy" case: greedy_tokens over logits.bin [rows][vocab] f32 -> out.bin [rows] int64.
+void run_greedy(const std::string& dir, const Meta& meta, const Parallel& parallel) {
+  const int64_t rows = meta.num("rows"), vocab = meta.num("vocab");
+  const std::vector<char> logits = read_array(dir + "/logits.bin", rows * vocab * 4);
+  Guarded<char> out = new_output(rows * 8);
+  greedy_tokens(reinterpret_cast<const float*>(logits.data()), rows, vocab, reinterpret_cast<int64_t*>(out.data()),
+                parallel);
+  write_out(dir + "/out.bin", out, "greedy_tokens");
+}
+
 void run_case(const std::string& dir, const Parallel& parallel) {
   const Meta meta(dir + "/meta.txt");
   if (meta.has("op") && meta.str("op") == "attention") return run_attention(dir, meta, parallel);
+  if (meta.has("op") && meta.str("op") == "greedy") return run_greedy(dir, meta, parallel);
   const DType dtype = parse_dtype(meta.str("dtype"));
   const int64_t M = meta.num("M"), H = meta.num("H"), I = meta.num("I"), E = meta.num("E"), K = meta.num("topk");
   const int64_t G = meta.num("global_experts"), es = dtype_size(dtype);

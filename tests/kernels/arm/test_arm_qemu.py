@@ -321,3 +321,41 @@ def test_decode_attention_matches_reference(driver, tmp_path, dtype, case):
     out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=dtype).view(S, nh, dv)
     ref = decode_attention_reference(q, k_cache, v_cache, batch, scale=scale, sinks=sink)
     assert_moe_close(out, ref, dtype, f"arm attention {case}")
+
+
+def _greedy_cases() -> dict[str, torch.Tensor]:
+    """Logits for greedy_tokens: vocabularies that fill and do not fill its 16 lanes, rows split over the pool,
+    ties (the first), infinities, signed zeros and rows holding a NaN (no token)."""
+    g = torch.Generator().manual_seed(5)
+    cases = {f"random-{rows}x{vocab}": torch.randn(rows, vocab, generator=g) * 5
+             for rows, vocab in [(1, 1), (1, 15), (1, 16), (1, 17), (3, 100), (1, 32771), (16, 32771)]}
+    ties = torch.zeros(4, 100)
+    ties[0, [3, 99]] = 2.0                    # two maxima: the first
+    ties[1, [99, 98]] = 1.0                   # in the tail past the lanes
+    ties[2] = float("-inf")                   # every token -inf: the first, as argmax
+    ties[3, [5, 16]] = float("inf")           # +inf twice, in two lanes
+    cases["ties"] = ties
+    diagonal = torch.full((50, 50), -3.0)
+    diagonal[torch.arange(50), torch.arange(50)] = 1.0  # row i: its maximum at i, in each lane and in the tail
+    cases["every-position"] = diagonal
+    cases["signed-zeros"] = torch.tensor([[-1.0] * 20 + [-0.0, 0.0], [-1.0] * 3 + [0.0] + [-1.0] * 16 + [-0.0, -1.0]])
+    nan = torch.randn(20, 4000, generator=g)
+    nan[3, 0] = nan[7, 3999] = nan[11, 16 * 100 + 5] = float("nan")  # in a lane, in the tail, deep in the row
+    cases["nan-rows"] = nan
+    return cases
+
+
+def test_greedy_tokens_match_argmax(driver, tmp_path):
+    """greedy.cpp's NEON passes (the x86 build runs SSE ones) against torch.argmax with the NaN check, every case
+    in one run of the driver."""
+    cases = _greedy_cases()
+    for name, logits in cases.items():
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "meta.txt").write_text(f"op greedy\nrows {logits.shape[0]}\nvocab {logits.shape[1]}\n")
+        logits.contiguous().numpy().tofile(directory / "logits.bin")
+    _run([QEMU, "-cpu", "max", str(driver), *(str(tmp_path / name) for name in cases)], "driver greedy")
+    for name, logits in cases.items():
+        out = torch.frombuffer(bytearray((tmp_path / name / "out.bin").read_bytes()), dtype=torch.int64)
+        expected = logits.argmax(dim=-1).masked_fill(torch.isnan(logits).any(dim=-1), -1)
+        assert torch.equal(out, expected), f"{name}: {out.tolist()[:20]} against {expected.tolist()[:20]}"
