@@ -77,6 +77,19 @@ struct AmxInt8Dot {
   }
 };
 
+// The 4-bit codes of a block in int4_w4a16's nibble order (quant.h) as bytes in the int8 quad layout, each 64 of them
+// through map (codes 0..15 in, the bytes to store out): k-octet s's low nibbles become quad 2s, its high ones 2s + 1.
+template <class Map>
+void widen_nibbles(const uint8_t* b, int64_t Kp, uint8_t* dst, Map map) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t s = 0; s < Kp / 8; ++s)
+    for (int c = 0; c < 4; ++c) {
+      const __m512i raw = _mm512_loadu_si512(b + 256 * s + 64 * c);
+      _mm512_store_si512(dst + 512 * s + 64 * c, map(_mm512_and_si512(raw, low4)));
+      _mm512_store_si512(dst + 512 * s + 256 + 64 * c, map(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4)));
+    }
+}
+
 // int4_w4a16 as W4A8, as the VNNI unit computes it: the block's nibbles widened once per call into the int8 quad
 // layout (codes 0..15 as u8: k-octet s's low nibbles are quad 2s, its high ones quad 2s + 1), its group metadata
 // copied behind them; then TDPBSUD (signed activations x unsigned codes), one group of g k at a time, and the VNNI
@@ -85,13 +98,7 @@ const void* widen_int4(const GemmTile& t) {
   const uint8_t* b = static_cast<const uint8_t*>(t.b);
   const int64_t meta_bytes = 4 * int4_group_floats(t.symmetric) * (t.k / t.group);
   uint8_t* dst = qx86::scratch(64 * t.k + meta_bytes);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t s = 0; s < t.k / 8; ++s)
-    for (int c = 0; c < 4; ++c) {
-      const __m512i raw = _mm512_loadu_si512(b + 256 * s + 64 * c);
-      _mm512_store_si512(dst + 512 * s + 64 * c, _mm512_and_si512(raw, low4));
-      _mm512_store_si512(dst + 512 * s + 256 + 64 * c, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
-    }
+  widen_nibbles(b, t.k, dst, [](__m512i codes) { return codes; });
   std::memcpy(dst + 64 * t.k, b + 32 * t.k, meta_bytes);
   return dst;
 }
@@ -139,7 +146,7 @@ struct AmxInt4Dot {  // over widen_int4's block
 };
 
 // mxfp4_w4a16 as W4A8 (quant.h): the codes widened once per call through kMxfp4Twice into the int8 quad layout
-// (signed, -12..12; int4's nibble order, so widen_int4's placement), the e8m0 exponents copied behind them; then
+// (signed, -12..12; int4's nibble order, so widen_nibbles), the e8m0 exponents copied behind them; then
 // TDPBSSD (signed x signed) a 32-k group at a time, with tiles configured for 32 bytes of k (an A row of 32, B
 // tiles of 8 quads): a group is half an AMX k-step. Each group's exact int32 sums are rescaled as the VNNI unit
 // does, tot += 2^(e - 127) x sum in group order, so the bits are the VNNI tiles'.
@@ -155,15 +162,7 @@ const void* widen_mxfp4(const GemmTile& t) {
   alignas(16) int8_t table[16];
   for (int q = 0; q < 16; ++q) table[q] = kMxfp4Twice[q];
   const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t s = 0; s < t.k / 8; ++s)
-    for (int c = 0; c < 4; ++c) {
-      const __m512i raw = _mm512_loadu_si512(b + 256 * s + 64 * c);
-      const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(raw, low4));
-      const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
-      _mm512_store_si512(dst + 512 * s + 64 * c, lo);
-      _mm512_store_si512(dst + 512 * s + 256 + 64 * c, hi);
-    }
+  widen_nibbles(b, t.k, dst, [&](__m512i codes) { return _mm512_shuffle_epi8(lut, codes); });
   std::memcpy(dst + 64 * t.k, b + 32 * t.k, 2 * t.k);
   return dst;
 }
