@@ -13,21 +13,16 @@
 namespace cpumoe {
 
 ReadBandwidthProbe::ReadBandwidthProbe(int64_t bytes, const Parallel& parallel)
-    : parallel_(parallel), workers_(std::max(parallel.workers, 1)) {
-  slice_ = round_up(std::max<int64_t>(bytes / workers_, 4096), 4096);
-  buf_ = static_cast<char*>(std::aligned_alloc(kHugePageBytes, round_up(slice_ * workers_, kHugePageBytes)));
+    : parallel_(parallel), chunks_(kChunksPerWorker * std::max(parallel.workers, 1)) {
+  chunk_ = round_up(std::max<int64_t>(bytes / chunks_, 4096), 4096);
+  buf_ = static_cast<char*>(std::aligned_alloc(kHugePageBytes, round_up(chunk_ * chunks_, kHugePageBytes)));
   if (!buf_) throw std::bad_alloc();
-  advise_huge_pages(buf_, slice_ * workers_);  // as the packed weights are
-  each_worker([&](int w) { std::memset(buf_ + w * slice_, 1 + w, slice_); });
+  advise_huge_pages(buf_, chunk_ * chunks_);  // as the packed weights are
+  parallel_items(parallel_, chunks_, [&](int64_t c) { std::memset(buf_ + c * chunk_, 1 + int(c % 255), chunk_); });
   read_gbps();  // warms the threads and the TLBs
 }
 
 ReadBandwidthProbe::~ReadBandwidthProbe() { std::free(buf_); }
-
-void ReadBandwidthProbe::each_worker(const std::function<void(int)>& body) {
-  if (workers_ == 1 || !parallel_.run) body(0);
-  else parallel_.run(workers_, body);
-}
 
 double ReadBandwidthProbe::read_gbps() {
   uint64_t (*read)(const void*, int64_t) = stream_read_generic;
@@ -35,9 +30,9 @@ double ReadBandwidthProbe::read_gbps() {
   if (cpu_has("avx512f")) read = stream_read_avx512;
   else if (cpu_has("avx2")) read = stream_read_avx2;
 #endif
-  std::vector<uint64_t> sums(workers_ * 8);  // one cache line per worker
+  std::vector<uint64_t> sums(chunks_ * 8);  // one cache line per chunk
   auto t0 = std::chrono::steady_clock::now();
-  each_worker([&](int w) { sums[w * 8] = read(buf_ + w * slice_, slice_); });
+  parallel_items(parallel_, chunks_, [&](int64_t c) { sums[c * 8] = read(buf_ + c * chunk_, chunk_); });
   double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   for (uint64_t v : sums) sink_ ^= v;
   return double(bytes()) / s / 1e9;

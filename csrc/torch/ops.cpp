@@ -41,18 +41,6 @@ Parallel kernel_parallel() {
   return p;
 }
 
-// The bandwidth probe's workers, each of which must run (every one reads its own slice): torch's OpenMP team.
-Parallel probe_parallel() {
-  Parallel p;
-  p.workers = at::get_num_threads();
-  p.run = [](int n, const std::function<void(int)>& body) {
-    at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) body(int(i));
-    });
-  };
-  return p;
-}
-
 DType to_dtype(const at::Tensor& t, const char* what) {
   switch (t.scalar_type()) {
     case at::kFloat: return DType::kFloat32;
@@ -783,8 +771,9 @@ PYBIND11_MODULE(_C, m) {
   }, "((w13 blocks, block elems), (w2 blocks, block elems)) per expert for hidden H, intermediate I");
   pybind11::class_<cpumoe::ReadBandwidthProbe>(m, "ReadBandwidthProbe",
       "A buffer of `bytes`; read_gbps() times one multi-threaded streaming read of all of it")
-      .def(pybind11::init([](int64_t bytes) { return new cpumoe::ReadBandwidthProbe(bytes, cpumoe::probe_parallel()); }),
-           pybind11::arg("bytes"))
+      .def(pybind11::init([](int64_t bytes) {
+             return new cpumoe::ReadBandwidthProbe(bytes, cpumoe::kernel_parallel());
+           }), pybind11::arg("bytes"))
       .def("read_gbps", &cpumoe::ReadBandwidthProbe::read_gbps, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("bytes", &cpumoe::ReadBandwidthProbe::bytes);
   m.def("empty_packed_stack", [](const at::Tensor& like, int64_t experts) {
@@ -818,7 +807,7 @@ PYBIND11_MODULE(_C, m) {
   cpumoe::bind_decode_layer(m);
   cpumoe::bind_decode_model(m);
   m.def("measure_read_bandwidth", [](int64_t bytes, int repetitions) {
-    auto r = cpumoe::measure_read_bandwidth(bytes, repetitions, cpumoe::probe_parallel());
+    auto r = cpumoe::measure_read_bandwidth(bytes, repetitions, cpumoe::kernel_parallel());
     return std::make_tuple(r.best_gbps, r.median_gbps);
   }, pybind11::arg("bytes"), pybind11::arg("repetitions") = 5,
      "(best, median) GB/s of a multi-threaded streaming read of a buffer of `bytes`",
