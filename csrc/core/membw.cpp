@@ -14,7 +14,7 @@ namespace cpumoe {
 
 ReadBandwidthProbe::ReadBandwidthProbe(int64_t bytes, const Parallel& parallel)
     : parallel_(parallel), chunks_(kChunksPerWorker * std::max(parallel.workers, 1)) {
-  chunk_ = round_up(std::max<int64_t>(bytes / chunks_, 4096), 4096);
+  chunk_ = round_up(std::max<int64_t>((bytes + chunks_ - 1) / chunks_, 4096), 4096);
   buf_ = static_cast<char*>(std::aligned_alloc(kHugePageBytes, round_up(chunk_ * chunks_, kHugePageBytes)));
   if (!buf_) throw std::bad_alloc();
   advise_huge_pages(buf_, chunk_ * chunks_);  // as the packed weights are
