@@ -104,6 +104,14 @@ def linear_quant(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tenso
                                          group_size=group_size, out_features=out_features)
 
 
+def experts_kernel_clock() -> tuple[int, float]:
+    """(calls, seconds): the fused experts calls (fused_experts, fused_experts_quant) the calling thread has made
+    so far, and the seconds the last one spent in its native kernel, without the Python, dispatcher and routing
+    around it (bench layer reports both)."""
+    calls, ns = _C.fused_moe_clock()
+    return calls, ns * 1e-9
+
+
 def route(router_logits: torch.Tensor, top_k: int, *, scoring: str, renormalize: bool,
           bias: torch.Tensor | None = None, routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing without expert groups in one call: (weights float32 [M, k], ids int32 [M, k]).

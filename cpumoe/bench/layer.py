@@ -28,7 +28,9 @@ stream, 0.1), a quarter of a quantized decode call, and in a fixed order the sam
 Ratios are taken pair by pair, as `bench model` takes them: "% bw" is the median over the repetitions of each
 call's GB/s over the probe of its own repetition, and "vs bf16" the median of the ratios of the reference's call
 and the case's in each repetition, each with its interquartile range, so a drift of the machine between
-repetitions moves neither. Each case packs its own copy of the weights; when all the copies would not fit in
+repetitions moves neither. "kernel" is "% bw" over the time the native experts kernel took by its own clock
+(ops.experts_kernel_clock), without the Python, the dispatcher and the routing op around it: at M = 1 those took
+~0.2 ms of a 0.8-2.8 ms call here, their code having left the caches while the other cases streamed. Each case packs its own copy of the weights; when all the copies would not fit in
 memory, the formats run one after the other, and then the cases one by one, each group timing the bf16 reference
 beside it so the ratios stay side by side.
 """
@@ -192,6 +194,9 @@ class LayerResult:
     ms_max: float | None = None
     times_ms: list[float] = field(default_factory=list)   # each repetition's call, in repetition order
     bandwidth_pct_range: tuple[float, float] | None = None    # interquartile range of the repetitions' % of probe
+    # % of the probe over the time the native experts kernel itself took (ops.experts_kernel_clock): the call less
+    # its Python, dispatch and routing; None for a backend that runs no native kernel (naive)
+    kernel_bandwidth_pct: float | None = None
     speedup_vs_bf16_range: tuple[float, float] | None = None  # interquartile range of the paired ratios
 
 
@@ -328,6 +333,7 @@ def measure_tokens(layers: dict[Case, FusedMoE], pools: dict[torch.dtype, list[L
         reps = {case: repetitions_for(_timed(lambda: fn(pool_of[case][0])), quick) for case, fn in call.items()}
         mm = _mm_call(machine) if tokens >= MM_FROM_TOKENS else None
         times: dict[Case, list[float]] = {case: [] for case in call}
+        kernel: dict[Case, list[float | None]] = {case: [] for case in call}
         bandwidth, mm_seconds = [], []
         for rep in range(max(reps.values())):
             bandwidth.append(probe.read_gbps())
@@ -337,7 +343,10 @@ def measure_tokens(layers: dict[Case, FusedMoE], pools: dict[torch.dtype, list[L
                 fn = call[case]
                 if rep < reps[case]:
                     inputs = pool_of[case][rep % INPUT_POOL]
+                    calls = ops.experts_kernel_clock()[0]
                     times[case].append(_timed(lambda: fn(inputs)))
+                    after, kernel_s = ops.experts_kernel_clock()
+                    kernel[case].append(kernel_s if after == calls + 1 else None)
     gbps = statistics.median(bandwidth)
     mm_gflops = (2 * machine.mm_size**3 / statistics.median(mm_seconds) / 1e9) if mm_seconds else machine.mm_gflops
     results = {}
@@ -349,14 +358,17 @@ def measure_tokens(layers: dict[Case, FusedMoE], pools: dict[torch.dtype, list[L
         gflops = pool[0].case.flops() / seconds / 1e9
         gbs = distinct * expert_bytes / seconds / 1e9
         # each call's bytes (its repetition's input) per second over its own repetition's probe
-        pcts = [100 * pool[rep % INPUT_POOL].case.distinct_experts * expert_bytes / t / 1e9 / bandwidth[rep]
-                for rep, t in enumerate(ts)]
+        def pct(rep: int, seconds: float) -> float:
+            return 100 * pool[rep % INPUT_POOL].case.distinct_experts * expert_bytes / seconds / 1e9 / bandwidth[rep]
+        pcts = [pct(rep, t) for rep, t in enumerate(ts)]
+        kernel_pcts = [pct(rep, k) for rep, k in enumerate(kernel[case]) if k is not None]
         results[case] = LayerResult(
             format=case.format.name, backend=case.backend, tokens=tokens, ms=seconds * 1e3, repetitions=len(ts),
             distinct_experts=round(distinct), expert_bytes=expert_bytes, gflops=gflops, gbs=gbs,
             bandwidth_gbs=gbps, bandwidth_pct=statistics.median(pcts), mm_gflops=mm_gflops,
             peak_pct=100 * gflops / mm_gflops, ms_min=min(ts) * 1e3, ms_max=max(ts) * 1e3,
-            times_ms=[t * 1e3 for t in ts], bandwidth_pct_range=interquartile(pcts))
+            times_ms=[t * 1e3 for t in ts], bandwidth_pct_range=interquartile(pcts),
+            kernel_bandwidth_pct=statistics.median(kernel_pcts) if len(kernel_pcts) == len(ts) else None)
     return results
 
 
@@ -621,10 +633,10 @@ def layer_table(report: dict) -> Table:
     layer = report["layer"]
     table = Table(title=f"{layer['name']} MoE layer (routing included; % of read bandwidth, % of torch.mm and vs bf16 "
                         "measured side by side per M; experts hit, MB per expert as each backend packs it, scales "
-                        "included)",
+                        "included; kernel: % of read bandwidth over the native kernel's own time)",
                   title_justify="left")
-    columns = ("M", "experts", "format", "backend", "MB/exp", "ms", "GFLOP/s", "GB/s", "% bw", "% mm", "vs naive",
-               "vs bf16 (target)", "bytes bound")
+    columns = ("M", "experts", "format", "backend", "MB/exp", "ms", "GFLOP/s", "GB/s", "% bw", "kernel", "% mm",
+               "vs naive", "vs bf16 (target)", "bytes bound")
     for name in columns:
         table.add_column(name, justify="left" if name in ("format", "backend") else "right", no_wrap=True)
     chosen = {f["format"]: f["oracle_choice"] for f in layer["formats"]}
@@ -638,7 +650,7 @@ def layer_table(report: dict) -> Table:
             table.add_row(str(m) if i == 0 else "", str(r["distinct_experts"]) if i == 0 else "",
                           _short(r["format"]) if first_of_format else "", backend, f"{r['expert_bytes'] / 1e6:.2f}",
                           f"{r['ms']:.3f}", f"{r['gflops']:.1f}", f"{r['gbs']:.1f}", _percent(r),
-                          f"{r['peak_pct']:.0f}%", _ratio(r["speedup_vs_naive"]), _versus_bf16(r),
+                          _kernel_percent(r), f"{r['peak_pct']:.0f}%", _ratio(r["speedup_vs_naive"]), _versus_bf16(r),
                           _ratio(r["bytes_bound_vs_bf16"]), end_section=i == len(group) - 1)
     return table
 
@@ -655,6 +667,11 @@ def _percent(r: dict) -> str:
     """% of the probe, with the repetitions' interquartile range where there is one."""
     spread = r.get("bandwidth_pct_range")
     return f"{r['bandwidth_pct']:.0f}%" + (f" ({spread[0]:.0f}-{spread[1]:.0f})" if spread else "")
+
+
+def _kernel_percent(r: dict) -> str:
+    value = r.get("kernel_bandwidth_pct")
+    return "" if value is None else f"{value:.0f}%"
 
 
 def _versus_bf16(r: dict) -> str:

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -124,7 +125,14 @@ Geometry geometry(const FusedMoeArgs& a) {
 
 }  // namespace
 
+namespace {
+thread_local KernelClock kernel_clock;
+}  // namespace
+
+KernelClock fused_moe_clock() { return kernel_clock; }
+
 void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
+  const auto start = std::chrono::steady_clock::now();
   const Geometry geo = geometry(a);
   const int64_t M = a.M, H = a.H, K = a.topk, es = dtype_size(a.dtype);
   const int64_t Ip = geo.k2, Hp = geo.Hp;
@@ -284,6 +292,9 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
       store_row(acc.data(), static_cast<char*>(a.out) + t * H * es, H, a.dtype);
     }
   });
+  ++kernel_clock.calls;
+  kernel_clock.last_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace cpumoe

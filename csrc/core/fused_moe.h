@@ -52,6 +52,14 @@ struct FusedMoeArgs {
 // Throws std::invalid_argument naming the problem (e.g. an expert id out of range).
 void fused_moe(const FusedMoeArgs& args, const Parallel& parallel);
 
+// The calling thread's fused_moe calls that returned so far, and the last one's time from entry to return: what a
+// benchmark reads to tell the kernel's time from the Python, dispatch and routing around it.
+struct KernelClock {
+  int64_t calls = 0;
+  int64_t last_ns = 0;
+};
+KernelClock fused_moe_clock();
+
 // Runs fn(i) for i in [0, n) over all workers, items handed out dynamically.
 void parallel_items(const Parallel& parallel, int64_t n, const std::function<void(int64_t)>& fn);
 

@@ -802,6 +802,10 @@ PYBIND11_MODULE(_C, m) {
         "Test aid: outputs get guard bytes around them, checked by every op before it returns");
   m.def("check_output_guards", [](const at::Tensor& out) { cpumoe::check_output_guards(out, "a write"); },
         "Raises when a guard byte around an output (made with guards on) changed");
+  m.def("fused_moe_clock", [] {
+    const cpumoe::KernelClock c = cpumoe::fused_moe_clock();
+    return std::make_tuple(c.calls, c.last_ns);
+  }, "(calls, ns): the calling thread's fused experts calls so far and the last one's time in its native kernel");
   m.def("release_free_memory", &cpumoe::release_free_memory,
         "Return the allocator's free memory to the OS (malloc_trim); false if nothing was released");
   cpumoe::bind_decode_layer(m);

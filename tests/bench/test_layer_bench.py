@@ -203,13 +203,18 @@ def test_tiny_bench_json(tmp_path, capsys):
         assert len(r["times_ms"]) == r["repetitions"] and r["ms_min"] <= r["ms"] <= r["ms_max"], r
         low, high = r["bandwidth_pct_range"]
         assert 0 < low <= r["bandwidth_pct"] <= high, r
+        # the kernel's own clock: a native backend's share of each call, none for the naive loop
+        if r["backend"] == "naive":
+            assert r["kernel_bandwidth_pct"] is None, r
+        else:
+            assert r["kernel_bandwidth_pct"] >= r["bandwidth_pct"] > 0, r
     assert report["machine"]["bandwidth_gbs"] > 0 and report["machine"]["mm_gflops"] > 0
     [fmt] = report["layer"]["formats"]
     assert report["layer"]["hidden"] == 64 and fmt["format"] == "bfloat16" and fmt["backends"] == expected
     assert fmt["oracle_choice"] == expected[0]
     assert report["other_cpu_fraction"] is None or 0 <= report["other_cpu_fraction"] <= 1
     printed = capsys.readouterr().out
-    assert all(p in printed for p in expected) and "GFLOP/s" in printed
+    assert all(p in printed for p in expected) and "GFLOP/s" in printed and "kernel" in printed
 
 
 def test_bench_rejects_unsupported_backend(capsys):

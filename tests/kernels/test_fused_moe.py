@@ -1,9 +1,12 @@
 """Every kernel backend this machine can run, against cpumoe.reference, over shape/dtype/activation grids."""
+import threading
+import time
+
 import pytest
 import torch
 
 import cpumoe
-from cpumoe import reference
+from cpumoe import ops, reference
 from tests.kernels.moe_cases import MoECase, assert_fake_matches, backend_dtype_grid, make_problem
 from tests.kernels.tolerances import assert_moe_close
 
@@ -102,7 +105,6 @@ def test_forward_routes_like_select_experts():
 
 
 def test_ops_trace_under_compile():
-    from cpumoe import ops
     p = make_problem(MoECase(M=4, H=64, I=32, E=4, k=2), torch.bfloat16)
     layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2)
     if layer.backend == "naive":
@@ -151,3 +153,20 @@ def test_batch_invariant_layer_gives_a_row_the_same_bits_alone_and_in_a_batch(ba
     batch = layer.experts(p.x, p.topk_weights, p.topk_ids)
     alone = layer.experts(p.x[:1], p.topk_weights[:1], p.topk_ids[:1])
     assert torch.equal(alone[0], batch[0])
+
+
+def test_kernel_clock_counts_the_calling_threads_calls():
+    p = make_problem(MoECase(M=4, H=64, I=32, E=4, k=2), torch.bfloat16)
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2)
+    calls, _ = ops.experts_kernel_clock()
+    start = time.perf_counter()
+    layer.experts(p.x, p.topk_weights, p.topk_ids)
+    wall = time.perf_counter() - start
+    after, seconds = ops.experts_kernel_clock()
+    assert after == calls + 1 and 0 < seconds <= wall
+    other = threading.Thread(target=lambda: layer.experts(p.x, p.topk_weights, p.topk_ids))
+    other.start()
+    other.join()
+    with pytest.raises(ValueError, match="expert id"):
+        layer.experts(p.x, p.topk_weights, torch.full_like(p.topk_ids, 9))
+    assert ops.experts_kernel_clock() == (after, seconds)   # another thread's call, and one that raised
