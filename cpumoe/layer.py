@@ -2,6 +2,8 @@
 
     router_logits -> select_experts -> [chosen backend: pack once at construction] -> fused experts -> [M, H]
 
+(On a native backend, called eagerly, routing and the experts run as one native call: csrc/torch/routed_experts.inc.)
+
 Weights are float tensors, float tensors quantized at construction (quant="int8_w8a8" | "int4_w4a16" |
 "fp8_w8a16" | "mxfp4_w4a16"), or already-quantized cpumoe.quant.QuantizedWeight stacks (FusedMoE.from_quantized).
 """
@@ -13,7 +15,7 @@ from torch import nn
 from cpumoe.experts import ExpertsConfig, choose_backend, rows_independent_backend
 from cpumoe.experts.base import ExpertReader, QuantExpertReader
 from cpumoe.quant import QuantFormat, QuantizedWeight, parse_format, quantize
-from cpumoe.routing import select_experts
+from cpumoe.routing import routes_in_one_op, select_experts
 
 
 class FusedMoE(nn.Module):
@@ -132,6 +134,10 @@ class FusedMoE(nn.Module):
         if router_logits.shape != (hidden_states.shape[0], self.num_experts):
             raise ValueError(f"router_logits must be [M={hidden_states.shape[0]}, E={self.num_experts}], "
                              f"got {list(router_logits.shape)}")
+        if self.impl.routes_natively and routes_in_one_op(router_logits, self.routing["num_expert_group"]) \
+                and _eager(hidden_states):
+            return self.impl.apply_routed(self.prepared, self.config, hidden_states, router_logits, self.routing,
+                                          self.expert_map)
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, **self.routing)
         return self.experts(hidden_states, topk_weights, topk_ids)
 
@@ -144,6 +150,12 @@ class FusedMoE(nn.Module):
         quant = f", quantization={c.quantization}" if c.quantization != "none" else ""
         return (f"experts={self.num_experts}, hidden={c.hidden_size}, inter={c.inter_size}, top_k={c.top_k}, "
                 f"dtype={c.dtype}{quant}, activation={c.activation}, backend={self.backend}")
+
+
+def _eager(hidden_states: torch.Tensor) -> bool:
+    """Whether this call runs eagerly on real tensors, so routing and experts can go in one native call (at M = 1 the
+    two ops' dispatch cost more than their routing); tracing, torch.compile and fake tensors take the ops."""
+    return type(hidden_states) is torch.Tensor and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
 
 
 def _checked(read_expert: ExpertReader, w13: torch.Tensor, w2: torch.Tensor) -> ExpertReader:

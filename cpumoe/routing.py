@@ -66,7 +66,7 @@ def select_experts(
                 f"got {list(weights.shape)} and {list(ids.shape)}"
             )
         weights = weights.float()
-    elif num_expert_group is None and router_logits.is_contiguous() and router_logits.dtype in _OP_DTYPES:
+    elif routes_in_one_op(router_logits, num_expert_group):
         # One C++ pass per token (csrc/core/routing.h): at decode this call is a visible share of a layer.
         bias = None if e_score_correction_bias is None else e_score_correction_bias.float().contiguous()
         return ops.route(router_logits, top_k, scoring=scoring, renormalize=renormalize, bias=bias,
@@ -77,6 +77,11 @@ def select_experts(
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
     return weights.contiguous(), ids.to(torch.int32).contiguous()
+
+
+def routes_in_one_op(router_logits: torch.Tensor, num_expert_group: int | None = None) -> bool:
+    """Whether select_experts routes these logits with the C++ routing op (ops.route) rather than torch ops."""
+    return num_expert_group is None and router_logits.is_contiguous() and router_logits.dtype in _OP_DTYPES
 
 
 def select_in_torch(router_logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool,

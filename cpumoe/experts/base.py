@@ -90,6 +90,15 @@ class ExpertsBackend:
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    # apply_routed runs routing and the experts in one native call (FusedMoE.forward takes it when it applies).
+    routes_natively: bool = False
+
+    def apply_routed(self, prepared: PreparedExperts, config: ExpertsConfig, hidden_states: torch.Tensor,
+                     router_logits: torch.Tensor, routing: dict, expert_map: torch.Tensor | None) -> torch.Tensor:
+        """select_experts(router_logits, config.top_k, **routing) then apply, in one call: for routing that
+        select_experts runs with its C++ op (cpumoe.routing.routes_in_one_op), and only where routes_natively."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 

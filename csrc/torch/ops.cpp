@@ -686,6 +686,7 @@ at::Tensor greedy_tokens_op(const at::Tensor& logits) {
 }
 
 #include "decode_layer.inc"
+#include "routed_experts.inc"
 #include "decode_model.inc"
 
 }  // namespace
@@ -809,6 +810,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("release_free_memory", &cpumoe::release_free_memory,
         "Return the allocator's free memory to the OS (malloc_trim); false if nothing was released");
   cpumoe::bind_decode_layer(m);
+  cpumoe::bind_routed_experts(m);
   cpumoe::bind_decode_model(m);
   m.def("measure_read_bandwidth", [](int64_t bytes, int repetitions) {
     auto r = cpumoe::measure_read_bandwidth(bytes, repetitions, cpumoe::kernel_parallel());

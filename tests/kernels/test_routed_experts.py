@@ -1,0 +1,107 @@
+"""FusedMoE.forward's one-call path (the routed_experts binding: routing and experts in one native call, eagerly)
+against select_experts then FusedMoE.experts (the two ops it replaces): the same bits for every native backend,
+float dtype, quantized format and routing mode the C++ routing op takes; the two ops where it does not apply."""
+import pytest
+import torch
+
+import cpumoe
+from cpumoe import ops
+from cpumoe.experts import native
+from tests.kernels.moe_cases import MoECase, make_problem, runnable_backends
+from tests.kernels.test_quant_fused_moe import native_backends_for
+
+CASE = MoECase(M=9, H=128, I=64, E=8, k=2)
+ROUTINGS = {
+    "softmax-renormalize": dict(),
+    "sigmoid-bias-scaled": dict(scoring="sigmoid", renormalize=False, routed_scaling_factor=2.5),
+    "softmax-plain": dict(renormalize=False),
+}
+
+
+def layers() -> list:
+    out = []
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for backend in runnable_backends(dtype):
+            if backend != "naive":
+                out.append(pytest.param(backend, dtype, None, id=f"{backend}-{str(dtype).removeprefix('torch.')}"))
+    for fmt in ("int8_w8a8", "int4_w4a16", "fp8_w8a16", "mxfp4_w4a16"):
+        for backend in native_backends_for(fmt, torch.bfloat16):
+            out.append(pytest.param(backend, torch.bfloat16, fmt, id=f"{backend}-{fmt}"))
+    return out
+
+
+@pytest.fixture
+def one_calls(monkeypatch):
+    """How many times the one-call path (the routed_experts binding) ran."""
+    calls = []
+    real = ops._C.routed_experts
+    monkeypatch.setattr(ops._C, "routed_experts", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def two_ops(layer, x, logits):
+    weights, ids = cpumoe.select_experts(logits, layer.top_k, **layer.routing)
+    return layer.experts(x, weights, ids)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("backend,dtype,fmt", layers())
+def test_one_call_gives_the_bits_of_the_two_ops(backend, dtype, fmt, routing, one_calls):
+    p = make_problem(CASE, dtype, bias=fmt is None, seed=3)
+    kw = dict(ROUTINGS[routing])
+    if routing == "sigmoid-bias-scaled":
+        kw["e_score_correction_bias"] = torch.randn(CASE.E, generator=torch.Generator().manual_seed(1))
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=CASE.k, w13_bias=p.w13_bias, w2_bias=p.w2_bias, backend=backend,
+                            quant=fmt, **kw)
+    logits = torch.randn(CASE.M, CASE.E, generator=torch.Generator().manual_seed(2))
+    for rows in (CASE.M, 1, 0):
+        out = layer(p.x[:rows], logits[:rows])
+        assert torch.equal(out, two_ops(layer, p.x[:rows], logits[:rows])), (backend, fmt, routing, rows)
+    assert len(one_calls) == 3
+
+
+@pytest.mark.parametrize("backend", [b for b in runnable_backends(torch.bfloat16) if b != "naive"])
+def test_expert_map_and_router_weight_on_input(backend, one_calls):
+    p = make_problem(MoECase(M=6, H=64, I=32, E=6, k=1), torch.bfloat16, seed=5)
+    expert_map = torch.tensor([-1, 0, 1, -1, 2, 3, 4, 5], dtype=torch.int32)  # 8 global experts, 6 here
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=1, expert_map=expert_map, num_experts=8, backend=backend,
+                            apply_router_weight_on_input=True)
+    logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(layer(p.x, logits), two_ops(layer, p.x, logits))
+    assert len(one_calls) == 1
+
+
+def test_routing_the_op_does_not_take_runs_the_two_ops(one_calls):
+    p = make_problem(MoECase(M=5, H=64, I=32, E=8, k=2), torch.float32, seed=6)
+    grouped = cpumoe.FusedMoE(p.w13, p.w2, top_k=2, num_expert_group=4, topk_group=2)
+    plain = cpumoe.FusedMoE(p.w13, p.w2, top_k=2)
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(grouped(p.x, logits), two_ops(grouped, p.x, logits))
+    wide = torch.randn(8, 5, generator=torch.Generator().manual_seed(8)).t()  # not contiguous
+    assert torch.equal(plain(p.x, wide), two_ops(plain, p.x, wide))
+    assert one_calls == []
+
+
+def test_naive_backend_runs_the_two_ops(one_calls):
+    p = make_problem(MoECase(M=3, H=64, I=32, E=4, k=2), torch.float32, seed=9)
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2, backend="naive")
+    logits = torch.randn(3, 4)
+    assert torch.equal(layer(p.x, logits), two_ops(layer, p.x, logits))
+    assert one_calls == [] and not layer.impl.routes_natively and native.NativeExperts.routes_natively
+
+
+def test_compiled_forward_runs_the_ops(one_calls):
+    p = make_problem(MoECase(M=4, H=64, I=32, E=4, k=2), torch.bfloat16, seed=10)
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2)
+    logits = torch.randn(4, 4)
+    compiled = torch.compile(layer, fullgraph=True)
+    assert torch.equal(compiled(p.x, logits), two_ops(layer, p.x, logits))
+    assert one_calls == []
+
+
+def test_bad_routing_input_is_named(one_calls):
+    p = make_problem(MoECase(M=2, H=64, I=32, E=4, k=2), torch.float32, seed=11)
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2, scoring="sigmoid",
+                            e_score_correction_bias=torch.zeros(3))  # E is 4
+    with pytest.raises(ValueError, match="e_score_correction_bias"):
+        layer(p.x, torch.randn(2, 4))
