@@ -123,10 +123,8 @@ Geometry geometry(const FusedMoeArgs& a) {
   return g;
 }
 
-}  // namespace
-
-namespace {
 thread_local KernelClock kernel_clock;
+
 }  // namespace
 
 KernelClock fused_moe_clock() { return kernel_clock; }
