@@ -17,6 +17,8 @@ from cpumoe.reference import ACTIVATIONS
 # read_expert(e) -> (w13_e [2I, H] gate rows then up rows, w2_e [H, I]); for quantized layers, QuantizedWeights
 ExpertReader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 QuantExpertReader = Callable[[int], tuple[QuantizedWeight, QuantizedWeight]]
+# (hidden_states [M, H], router_logits [M, E]) -> out [M, H], or None for tensors the call was not made for
+RoutedCall = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,14 +92,12 @@ class ExpertsBackend:
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    # apply_routed runs routing and the experts in one native call (FusedMoE.forward takes it when it applies).
-    routes_natively: bool = False
-
-    def apply_routed(self, prepared: PreparedExperts, config: ExpertsConfig, hidden_states: torch.Tensor,
-                     router_logits: torch.Tensor, routing: dict, expert_map: torch.Tensor | None) -> torch.Tensor:
-        """select_experts(router_logits, config.top_k, **routing) then apply, in one call: for routing that
-        select_experts runs with its C++ op (cpumoe.routing.routes_in_one_op), and only where routes_natively."""
-        raise NotImplementedError
+    def bind_routed(self, prepared: PreparedExperts, config: ExpertsConfig, num_experts: int, routing: dict,
+                    expert_map: torch.Tensor | None) -> RoutedCall | None:
+        """select_experts(router_logits, config.top_k, **routing) then apply, bound once as one native call
+        (hidden_states, router_logits) -> out, or None from the call when it was not made for those tensors; None
+        where this backend has no such call or the routing is one select_experts runs in torch ops."""
+        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

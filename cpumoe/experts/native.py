@@ -18,8 +18,6 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 class NativeExperts(ExpertsBackend):
-    routes_natively = True
-
     def __init__(self, name: str, unavailable: str, layout: str, rows_per_tile: int, dtypes: list[str],
                  formats: list[str]):
         self.name = name
@@ -99,15 +97,14 @@ class NativeExperts(ExpertsBackend):
         return ops.fused_experts(hidden_states.contiguous(), prepared.w13, prepared.w2, topk_weights.contiguous(),
                                  topk_ids.contiguous(), backend=self.name, **common)
 
-    def apply_routed(self, prepared, config, hidden_states, router_logits, routing, expert_map):
-        # Positional, straight to the binding (csrc/torch/routed_experts.inc): at M = 1 this call runs with its code
-        # out of the caches, and each Python frame and keyword list on the way costs there.
-        bias = routing["e_score_correction_bias"]
-        return ops._C.routed_experts(
-            hidden_states.contiguous(), router_logits, prepared.w13, prepared.w2, config.top_k, routing["scoring"],
-            routing["renormalize"], None if bias is None else bias.float().contiguous(),
-            routing["routed_scaling_factor"], self.name, config.quantization, config.group_size, config.activation,
-            prepared.w13_bias, prepared.w2_bias, expert_map, config.apply_router_weight_on_input)
+    def bind_routed(self, prepared, config, num_experts, routing, expert_map):
+        if routing["num_expert_group"] is not None:  # grouped routing runs in torch ops (select_experts)
+            return None
+        return ops._C.RoutedExperts(
+            prepared.w13, prepared.w2, config.hidden_size, config.dtype, num_experts, config.top_k, routing["scoring"],
+            routing["renormalize"], routing["e_score_correction_bias"], routing["routed_scaling_factor"], self.name,
+            config.quantization, config.group_size, config.activation, prepared.w13_bias, prepared.w2_bias,
+            expert_map, config.apply_router_weight_on_input)
 
 
 def _pack_quant(w: QuantizedWeight, group: int, *, w13: bool) -> torch.Tensor:

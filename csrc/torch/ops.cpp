@@ -3,6 +3,8 @@
 // PyTorch-free core can assume well-formed arguments.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -41,14 +43,16 @@ Parallel kernel_parallel() {
   return p;
 }
 
-DType to_dtype(const at::Tensor& t, const char* what) {
-  switch (t.scalar_type()) {
+DType to_dtype(at::ScalarType type, const char* what) {
+  switch (type) {
     case at::kFloat: return DType::kFloat32;
     case at::kBFloat16: return DType::kBFloat16;
     case at::kHalf: return DType::kFloat16;
-    default: TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+    default: TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, got ", type);
   }
 }
+
+DType to_dtype(const at::Tensor& t, const char* what) { return to_dtype(t.scalar_type(), what); }
 
 Activation to_activation(const std::string& name) {
   if (name == "silu") return Activation::kSilu;
@@ -203,26 +207,25 @@ void check_packed_linear(const at::Tensor& w, int64_t out_features, int64_t in_f
                     " and out_features ", out_features);
 }
 
-// The routing inputs, expert map and packed biases both fused ops take, checked; then the driver runs.
-at::Tensor run_fused(FusedMoeArgs& a, const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
-                     const at::Tensor& topk_weights, const at::Tensor& topk_ids,
-                     const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias,
-                     const std::optional<at::Tensor>& expert_map, bool apply_router_weight_on_input, int64_t E,
-                     int64_t Ip, int64_t Hp) {
-  const int64_t M = hidden.size(0);
-  check_dense(topk_weights, "topk_weights", 2);
-  check_dense(topk_ids, "topk_ids", 2);
-  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat, "topk_weights must be float32, got ", topk_weights.scalar_type());
-  TORCH_CHECK(topk_ids.scalar_type() == at::kInt, "topk_ids must be int32, got ", topk_ids.scalar_type());
-  TORCH_CHECK(topk_ids.size(0) == M && topk_weights.sizes() == topk_ids.sizes(),
-              "topk_weights ", topk_weights.sizes(), " and topk_ids ", topk_ids.sizes(), " must both be [", M, ", k]");
-  const int64_t K = topk_ids.size(1);
-  TORCH_CHECK(K >= 1, "top-k must be at least 1");
-  TORCH_CHECK(!apply_router_weight_on_input || K == 1,
-              "apply_router_weight_on_input needs top_k == 1, got ", K);
-  a.M = M, a.H = hidden.size(1), a.I = Ip, a.topk = K;
-  a.local_experts = E;
+// A fused experts call's weights checked against the activations' width and dtype, with their biases and expert
+// map: every field of FusedMoeArgs but the tokens' (M, hidden, topk_weights, topk_ids, out). Checked per call by
+// the ops, once per layer by RoutedExperts (routed_experts.inc).
+struct ExpertWeights {
+  FusedMoeArgs args;
+  at::Tensor w13, w2;  // what the pointers in args point into, kept alive with them
+  std::optional<at::Tensor> w13_bias, w2_bias, expert_map;
+};
+
+// The expert map and packed biases both fused ops take, checked into w.args (E, I and H set).
+void attach_extras(ExpertWeights& w, const std::optional<at::Tensor>& w13_bias,
+                   const std::optional<at::Tensor>& w2_bias, const std::optional<at::Tensor>& expert_map,
+                   bool apply_router_weight_on_input) {
+  FusedMoeArgs& a = w.args;
+  const int64_t E = a.local_experts, Ip = a.I, Hp = round_up(a.H, kBlockCols);
   a.global_experts = E;
+  a.apply_router_weight_on_input = apply_router_weight_on_input;
+  a.w13 = w.w13.data_ptr();
+  a.w2 = w.w2.data_ptr();
   if (expert_map) {
     check_dense(*expert_map, "expert_map", 1);
     TORCH_CHECK(expert_map->scalar_type() == at::kInt, "expert_map must be int32, got ", expert_map->scalar_type());
@@ -243,14 +246,34 @@ at::Tensor run_fused(FusedMoeArgs& a, const at::Tensor& hidden, const at::Tensor
                 w2_bias->sizes());
     a.w2_bias = w2_bias->data_ptr<float>();
   }
-  at::Tensor out = new_output(hidden.sizes(), hidden.options());
+  w.w13_bias = w13_bias, w.w2_bias = w2_bias, w.expert_map = expert_map;
+}
+
+// The routing tensors an op call brings, checked against its tokens; returns k.
+int64_t check_routes(const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t M) {
+  check_dense(topk_weights, "topk_weights", 2);
+  check_dense(topk_ids, "topk_ids", 2);
+  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat, "topk_weights must be float32, got ", topk_weights.scalar_type());
+  TORCH_CHECK(topk_ids.scalar_type() == at::kInt, "topk_ids must be int32, got ", topk_ids.scalar_type());
+  TORCH_CHECK(topk_ids.size(0) == M && topk_weights.sizes() == topk_ids.sizes(),
+              "topk_weights ", topk_weights.sizes(), " and topk_ids ", topk_ids.sizes(), " must both be [", M, ", k]");
+  return topk_ids.size(1);
+}
+
+// The driver over checked weights and M tokens' routes (k each): out [M, H] in hidden's dtype (into `out` when
+// given, of that shape and dtype).
+at::Tensor run_experts(const ExpertWeights& w, const at::Tensor& hidden, const float* topk_weights,
+                       const int32_t* topk_ids, int64_t k, at::Tensor out = {}) {
+  TORCH_CHECK(k >= 1, "top-k must be at least 1");
+  TORCH_CHECK(!w.args.apply_router_weight_on_input || k == 1, "apply_router_weight_on_input needs top_k == 1, got ",
+              k);
+  FusedMoeArgs a = w.args;
+  a.M = hidden.size(0), a.topk = k;
+  if (!out.defined()) out = new_output(hidden.sizes(), hidden.options());
   a.hidden = hidden.data_ptr();
-  a.topk_weights = topk_weights.data_ptr<float>();
-  a.topk_ids = topk_ids.data_ptr<int32_t>();
-  a.w13 = w13.data_ptr();
-  a.w2 = w2.data_ptr();
+  a.topk_weights = topk_weights;
+  a.topk_ids = topk_ids;
   a.out = out.data_ptr();
-  a.apply_router_weight_on_input = apply_router_weight_on_input;
   try {
     fused_moe(a, kernel_parallel());
   } catch (const std::invalid_argument& e) {
@@ -260,21 +283,21 @@ at::Tensor run_fused(FusedMoeArgs& a, const at::Tensor& hidden, const at::Tensor
   return out;
 }
 
-at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
-                         const at::Tensor& topk_weights, const at::Tensor& topk_ids, std::string_view kernel_name,
-                         std::string_view activation, const std::optional<at::Tensor>& w13_bias,
-                         const std::optional<at::Tensor>& w2_bias, const std::optional<at::Tensor>& expert_map,
-                         bool apply_router_weight_on_input) {
+// Dense packed weights for activations of width H and dtype dt on a kernel backend, checked.
+ExpertWeights dense_expert_weights(int64_t H, at::ScalarType dtype, const at::Tensor& w13, const at::Tensor& w2,
+                                   std::string_view kernel_name, std::string_view activation,
+                                   const std::optional<at::Tensor>& w13_bias,
+                                   const std::optional<at::Tensor>& w2_bias,
+                                   const std::optional<at::Tensor>& expert_map, bool apply_router_weight_on_input) {
   const KernelTable& kt = kernel_or_throw(std::string(kernel_name));
-  check_dense(hidden, "hidden_states", 2);
-  const DType dt = to_dtype(hidden, "hidden_states");
+  const DType dt = to_dtype(dtype, "hidden_states");
   TORCH_CHECK(kt.supports(dt), "kernel backend '", kt.name, "' does not take ", dtype_name(dt), " activations");
   check_dense(w13, "packed w13", 3);
   check_dense(w2, "packed w2", 3);
-  TORCH_CHECK(w13.scalar_type() == hidden.scalar_type() && w2.scalar_type() == hidden.scalar_type(),
+  TORCH_CHECK(w13.scalar_type() == dtype && w2.scalar_type() == dtype,
               "weights (", w13.scalar_type(), ", ", w2.scalar_type(), ") must have the dtype of hidden_states (",
-              hidden.scalar_type(), ")");
-  const int64_t H = hidden.size(1), E = w13.size(0);
+              dtype, ")");
+  const int64_t E = w13.size(0);
   check_packed_experts(w13, w2, H, [&](const PackedInfo& i) { return !i.quant && i.layout == kt.layout; },
                        "backend '" + std::string(kt.name) + "'");
   const PackedShape s13 = w13_packed_shape(H, w13.size(1) * kW13BlockInter, kt.layout);
@@ -286,12 +309,28 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const 
   TORCH_CHECK(w2.size(0) == E && w2.size(1) == s2.blocks && w2.size(2) == s2.block_elems,
               "packed w2 has shape ", w2.sizes(), ", expected [", E, ", ", s2.blocks, ", ", s2.block_elems,
               "] for hidden size ", H, " and packed intermediate size ", Ip);
-  FusedMoeArgs a;
+  ExpertWeights w{{}, w13, w2};
+  FusedMoeArgs& a = w.args;
   a.kernels = &kt;
   a.dtype = dt;
   a.act = to_activation(std::string(activation));
-  return run_fused(a, hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map,
-                   apply_router_weight_on_input, E, Ip, s2.blocks * kBlockCols);
+  a.H = H, a.I = Ip, a.local_experts = E;
+  attach_extras(w, w13_bias, w2_bias, expert_map, apply_router_weight_on_input);
+  return w;
+}
+
+at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids, std::string_view kernel_name,
+                         std::string_view activation, const std::optional<at::Tensor>& w13_bias,
+                         const std::optional<at::Tensor>& w2_bias, const std::optional<at::Tensor>& expert_map,
+                         bool apply_router_weight_on_input) {
+  check_dense(hidden, "hidden_states", 2);
+  to_dtype(hidden, "hidden_states");
+  const ExpertWeights w = dense_expert_weights(hidden.size(1), hidden.scalar_type(), w13, w2, kernel_name,
+                                               activation, w13_bias, w2_bias, expert_map,
+                                               apply_router_weight_on_input);
+  const int64_t k = check_routes(topk_weights, topk_ids, hidden.size(0));
+  return run_experts(w, hidden, topk_weights.data_ptr<float>(), topk_ids.data_ptr<int32_t>(), k);
 }
 
 // Canonical quantized weights (cpumoe/quant/formats.py) [E, N, K] -> quant.h blocks [E, blocks, block_bytes].
@@ -357,19 +396,17 @@ QuantPackedShape check_quant_packed(const at::Tensor& w, const char* what, Quant
   return s;
 }
 
-at::Tensor fused_experts_quant(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
-                               const at::Tensor& topk_weights, const at::Tensor& topk_ids,
-                               std::string_view kernel_name, std::string_view format, int64_t group_size,
-                               std::string_view activation, const std::optional<at::Tensor>& w13_bias,
-                               const std::optional<at::Tensor>& w2_bias, const std::optional<at::Tensor>& expert_map,
-                               bool apply_router_weight_on_input) {
+// Quantized packed weights of `format` for activations of width H and dtype `dtype` on a kernel backend, checked.
+ExpertWeights quant_expert_weights(int64_t H, at::ScalarType dtype, const at::Tensor& w13, const at::Tensor& w2,
+                                   std::string_view kernel_name, std::string_view format, int64_t group_size,
+                                   std::string_view activation, const std::optional<at::Tensor>& w13_bias,
+                                   const std::optional<at::Tensor>& w2_bias,
+                                   const std::optional<at::Tensor>& expert_map, bool apply_router_weight_on_input) {
   const QuantFormat f = to_format(std::string(format));
   const QuantKernel& qk = quant_kernel_or_throw(std::string(kernel_name), f);
-  check_dense(hidden, "hidden_states", 2);
-  const DType dt = to_dtype(hidden, "hidden_states");
+  const DType dt = to_dtype(dtype, "hidden_states");
   TORCH_CHECK_VALUE(quant_int8_activations(f) || dt == DType::kBFloat16, quant_format_name(f),
-                    " takes bfloat16 activations, got ", hidden.scalar_type());
-  const int64_t H = hidden.size(1);
+                    " takes bfloat16 activations, got ", dtype);
   check_dense(w13, "packed w13", 3);
   check_dense(w2, "packed w2", 3);
   check_packed_experts(w13, w2, H, [&](const PackedInfo& i) { return same_quant_packing(i, f, group_size); },
@@ -379,7 +416,8 @@ at::Tensor fused_experts_quant(const at::Tensor& hidden, const at::Tensor& w13, 
   const QuantPackedShape s13 = check_quant_packed(w13, "packed w13", f, 2 * Ip, H, group_size, true);
   const QuantPackedShape s2 = check_quant_packed(w2, "packed w2", f, H, Ip, group_size, false);
   TORCH_CHECK_VALUE(w2.size(0) == E, "packed w2 holds ", w2.size(0), " experts, w13 ", E);
-  FusedMoeArgs a;
+  ExpertWeights w{{}, w13, w2};
+  FusedMoeArgs& a = w.args;
   a.quant = &qk;
   a.format = f;
   a.group13 = s13.group;
@@ -388,8 +426,23 @@ at::Tensor fused_experts_quant(const at::Tensor& hidden, const at::Tensor& w13, 
   a.symmetric2 = packed_info_or_throw(w2, "packed w2").symmetric;
   a.dtype = dt;
   a.act = to_activation(std::string(activation));
-  return run_fused(a, hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map,
-                   apply_router_weight_on_input, E, Ip, s2.blocks * kBlockCols);
+  a.H = H, a.I = Ip, a.local_experts = E;
+  attach_extras(w, w13_bias, w2_bias, expert_map, apply_router_weight_on_input);
+  return w;
+}
+
+at::Tensor fused_experts_quant(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                               const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                               std::string_view kernel_name, std::string_view format, int64_t group_size,
+                               std::string_view activation, const std::optional<at::Tensor>& w13_bias,
+                               const std::optional<at::Tensor>& w2_bias, const std::optional<at::Tensor>& expert_map,
+                               bool apply_router_weight_on_input) {
+  check_dense(hidden, "hidden_states", 2);
+  const ExpertWeights w = quant_expert_weights(hidden.size(1), hidden.scalar_type(), w13, w2, kernel_name, format,
+                                               group_size, activation, w13_bias, w2_bias, expert_map,
+                                               apply_router_weight_on_input);
+  const int64_t k = check_routes(topk_weights, topk_ids, hidden.size(0));
+  return run_experts(w, hidden, topk_weights.data_ptr<float>(), topk_ids.data_ptr<int32_t>(), k);
 }
 
 // The bias check, output and run both linear ops share; `a` holds the weights' tiles and dtype.
@@ -461,27 +514,37 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::option
   return run_linear(a, x, w, bias, out_features);
 }
 
-// Router logits [M, E] -> (weights float32 [M, k], ids int32 [M, k]); see routing.h.
-std::tuple<at::Tensor, at::Tensor> route_op(const at::Tensor& logits, int64_t top_k, std::string_view scoring,
-                                            bool renormalize, const std::optional<at::Tensor>& bias,
-                                            double routed_scaling_factor) {
-  check_dense(logits, "router_logits", 2);
+// The routing of logits over E experts, checked: every field of RoutingArgs but the logits' (logits, dtype, M) and
+// the outputs. The bias is read where it lies; the caller keeps it alive.
+RoutingArgs routing_args(int64_t E, int64_t top_k, std::string_view scoring, bool renormalize,
+                         const std::optional<at::Tensor>& bias, double routed_scaling_factor) {
   RoutingArgs a;
-  a.dtype = to_dtype(logits, "router_logits");
-  a.M = logits.size(0), a.E = logits.size(1), a.top_k = top_k;
-  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= a.E, "top_k must be in [1, E=", a.E, "], got ", top_k);
+  a.E = E, a.top_k = top_k;
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= E, "top_k must be in [1, E=", E, "], got ", top_k);
   TORCH_CHECK_VALUE(scoring == "softmax" || scoring == "sigmoid", "unknown scoring '", std::string(scoring),
                     "', expected softmax or sigmoid");
   a.sigmoid = scoring == "sigmoid";
   a.renormalize = renormalize;
   if (bias) {
     check_dense(*bias, "e_score_correction_bias", 1);
-    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->size(0) == a.E,
-                      "e_score_correction_bias must be float32 [E=", a.E, "], got ", bias->scalar_type(), " ",
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->size(0) == E,
+                      "e_score_correction_bias must be float32 [E=", E, "], got ", bias->scalar_type(), " ",
                       bias->sizes());
     a.bias = bias->data_ptr<float>();
   }
   a.scale = float(routed_scaling_factor);
+  return a;
+}
+
+// Router logits [M, E] -> (weights float32 [M, k], ids int32 [M, k]); see routing.h.
+std::tuple<at::Tensor, at::Tensor> route_op(const at::Tensor& logits, int64_t top_k, std::string_view scoring,
+                                            bool renormalize, const std::optional<at::Tensor>& bias,
+                                            double routed_scaling_factor) {
+  check_dense(logits, "router_logits", 2);
+  const DType dtype = to_dtype(logits, "router_logits");
+  RoutingArgs a = routing_args(logits.size(1), top_k, scoring, renormalize, bias, routed_scaling_factor);
+  a.dtype = dtype;
+  a.M = logits.size(0);
   at::Tensor weights = new_output({a.M, top_k}, logits.options().dtype(at::kFloat));
   at::Tensor ids = new_output({a.M, top_k}, logits.options().dtype(at::kInt));
   a.logits = logits.data_ptr();

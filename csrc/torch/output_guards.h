@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <c10/util/strides.h>
+
 namespace cpumoe {
 
 constexpr int64_t kGuardBytes = 256;
@@ -27,7 +29,8 @@ inline at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& opt
   const int64_t pad = (kGuardBytes + item - 1) / item;
   at::Tensor buffer = at::empty({numel + 2 * pad}, options);
   std::memset(buffer.data_ptr(), kGuardByte, buffer.nbytes());
-  return buffer.narrow(0, pad, numel).view(sizes);
+  // on the buffer's storage but not a view of it (no base kept alive), as a plain output owns its storage alone
+  return at::empty({0}, options).set_(buffer.storage(), pad, sizes, c10::contiguous_strides(sizes));
 }
 
 // Throws, naming `op`, when a guard byte around `out` (from new_output) changed. No-op with guards off.

@@ -1,4 +1,4 @@
-"""FusedMoE.forward's one-call path (the routed_experts binding: routing and experts in one native call, eagerly)
+"""FusedMoE.forward's one-call path (the RoutedExperts binding: routing and experts in one native call, eagerly)
 against select_experts then FusedMoE.experts (the two ops it replaces): the same bits for every native backend,
 float dtype, quantized format and routing mode the C++ routing op takes; the two ops where it does not apply."""
 import pytest
@@ -6,7 +6,6 @@ import torch
 
 import cpumoe
 from cpumoe import ops
-from cpumoe.experts import native
 from tests.kernels.moe_cases import MoECase, make_problem, runnable_backends
 from tests.kernels.test_quant_fused_moe import native_backends_for
 
@@ -32,10 +31,21 @@ def layers() -> list:
 
 @pytest.fixture
 def one_calls(monkeypatch):
-    """How many times the one-call path (the routed_experts binding) ran."""
+    """How many times the one-call path (a RoutedExperts binding) ran a layer (gave an output, not None)."""
     calls = []
-    real = ops._C.routed_experts
-    monkeypatch.setattr(ops._C, "routed_experts", lambda *a: calls.append(1) or real(*a))
+    real = ops._C.RoutedExperts
+
+    class Counted:
+        def __init__(self, *args):
+            self.bound = real(*args)
+
+        def __call__(self, hidden_states, router_logits):
+            out = self.bound(hidden_states, router_logits)
+            if out is not None:
+                calls.append(1)
+            return out
+
+    monkeypatch.setattr(ops._C, "RoutedExperts", Counted)
     return calls
 
 
@@ -87,7 +97,7 @@ def test_naive_backend_runs_the_two_ops(one_calls):
     layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2, backend="naive")
     logits = torch.randn(3, 4)
     assert torch.equal(layer(p.x, logits), two_ops(layer, p.x, logits))
-    assert one_calls == [] and not layer.impl.routes_natively and native.NativeExperts.routes_natively
+    assert one_calls == [] and layer._routed is None
 
 
 def test_compiled_forward_runs_the_ops(one_calls):
@@ -99,9 +109,80 @@ def test_compiled_forward_runs_the_ops(one_calls):
     assert one_calls == []
 
 
-def test_bad_routing_input_is_named(one_calls):
+@pytest.mark.parametrize("backend", ["naive", *[b for b in runnable_backends(torch.float32) if b != "naive"][:1]])
+def test_bad_routing_input_is_named(backend):
     p = make_problem(MoECase(M=2, H=64, I=32, E=4, k=2), torch.float32, seed=11)
-    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2, scoring="sigmoid",
-                            e_score_correction_bias=torch.zeros(3))  # E is 4
     with pytest.raises(ValueError, match="e_score_correction_bias"):
-        layer(p.x, torch.randn(2, 4))
+        cpumoe.FusedMoE(p.w13, p.w2, top_k=2, scoring="sigmoid", backend=backend,
+                        e_score_correction_bias=torch.zeros(3))  # E is 4
+
+
+def test_tensors_the_binding_was_not_made_for_take_the_checked_ops(one_calls):
+    p = make_problem(MoECase(M=4, H=64, I=32, E=4, k=2), torch.bfloat16, seed=12)
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2)
+    logits = torch.randn(4, 4)
+    with pytest.raises(ValueError, match="hidden_states must be"):
+        layer(p.x[:, :32], logits)
+    with pytest.raises(ValueError, match="differs from the weights'"):
+        layer(p.x.float(), logits)
+    with pytest.raises(ValueError, match="router_logits must be"):
+        layer(p.x, logits[:3])
+    assert one_calls == []
+    wide = torch.cat([p.x, p.x], dim=1)[:, :64]  # not contiguous: the binding takes a contiguous copy
+    assert torch.equal(layer(wide, logits), two_ops(layer, p.x, logits))
+    assert len(one_calls) == 1
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the shape checks: constants in the trace
+def test_fake_tensors_and_jit_tracing_take_the_ops(one_calls):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    p = make_problem(MoECase(M=4, H=64, I=32, E=4, k=2), torch.bfloat16, seed=13)
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2)
+    logits = torch.randn(4, 4)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:  # the packed weights stay real
+        out = layer(mode.from_tensor(p.x), mode.from_tensor(logits))
+    assert (out.shape, out.dtype) == (p.x.shape, p.x.dtype)
+    traced = torch.jit.trace(layer, (p.x, logits), check_trace=False)
+    assert one_calls == []
+    other = torch.randn(4, 4, generator=torch.Generator().manual_seed(14))
+    assert torch.equal(traced(p.x, other), two_ops(layer, p.x, other))  # the graph routes, not the traced ids
+
+
+def test_an_output_still_held_is_never_written_again():
+    p = make_problem(MoECase(M=3, H=64, I=32, E=4, k=2), torch.bfloat16, seed=15)
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2)
+    g = torch.Generator().manual_seed(16)
+    inputs = [(torch.randn(3, 64, generator=g).bfloat16(), torch.randn(3, 4, generator=g)) for _ in range(4)]
+    want = [two_ops(layer, x, logits) for x, logits in inputs]
+    held = layer(*inputs[0])                 # held by the caller
+    view = layer(*inputs[1])[1:]             # only a view of the output is held
+    ptr = layer(*inputs[2]).data_ptr()       # dropped: the next call may write into it
+    last = layer(*inputs[3])
+    assert torch.equal(held, want[0]) and torch.equal(view, want[1][1:]) and torch.equal(last, want[3])
+    assert last.data_ptr() == ptr            # the kept output was reused, not reallocated
+    with torch.inference_mode():
+        inference = layer(*inputs[0]).data_ptr()
+    out = layer(*inputs[0])                  # outside inference mode: not the inference tensor kept above
+    assert not out.is_inference() and out.data_ptr() != inference and torch.equal(out, want[0])
+
+
+def test_threads_calling_one_layer_get_their_own_results():
+    import threading
+    p = make_problem(MoECase(M=2, H=64, I=32, E=4, k=2), torch.bfloat16, seed=17)
+    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2)
+    g = torch.Generator().manual_seed(18)
+    inputs = [(torch.randn(2, 64, generator=g).bfloat16(), torch.randn(2, 4, generator=g)) for _ in range(2)]
+    want = [two_ops(layer, x, logits) for x, logits in inputs]
+    wrong = []
+
+    def calls(i: int) -> None:
+        for _ in range(200):
+            if not torch.equal(layer(*inputs[i]), want[i]):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=calls, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
