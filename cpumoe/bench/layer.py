@@ -29,8 +29,8 @@ Ratios are taken pair by pair, as `bench model` takes them: "% bw" is the median
 call's GB/s over the probe of its own repetition, and "vs bf16" the median of the ratios of the reference's call
 and the case's in each repetition, each with its interquartile range, so a drift of the machine between
 repetitions moves neither. "kernel" is "% bw" over the time the native experts kernel took by its own clock
-(ops.experts_kernel_clock), without the Python, the dispatcher and the routing op around it: at M = 1 those took
-~0.2 ms of a 0.8-2.8 ms call here, their code having left the caches while the other cases streamed. Each case
+(ops.experts_kernel_clock), without the Python, the dispatcher and the routing around it: at M = 1 those took
+~0.1 ms of a 0.8-2.8 ms call here, their code having left the caches while the other cases streamed. Each case
 packs its own copy of the weights; when all the copies would not fit in memory, the formats run one after the
 other, and then the cases one by one, each group timing the bf16 reference beside it so the ratios stay side by
 side.
