@@ -148,12 +148,17 @@ def test_fake_tensors_and_jit_tracing_take_the_ops(one_calls):
     assert torch.equal(traced(p.x, other), two_ops(layer, p.x, other))  # the graph routes, not the traced ids
 
 
-def test_an_output_still_held_is_never_written_again():
-    p = make_problem(MoECase(M=3, H=64, I=32, E=4, k=2), torch.bfloat16, seed=15)
+def layer_and_calls(rows: int, calls: int, seed: int) -> tuple:
+    """A small bf16 layer, `calls` inputs of `rows` tokens and what the two ops give for each."""
+    p = make_problem(MoECase(M=rows, H=64, I=32, E=4, k=2), torch.bfloat16, seed=seed)
     layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2)
-    g = torch.Generator().manual_seed(16)
-    inputs = [(torch.randn(3, 64, generator=g).bfloat16(), torch.randn(3, 4, generator=g)) for _ in range(4)]
-    want = [two_ops(layer, x, logits) for x, logits in inputs]
+    g = torch.Generator().manual_seed(seed + 1)
+    inputs = [(torch.randn(rows, 64, generator=g).bfloat16(), torch.randn(rows, 4, generator=g)) for _ in range(calls)]
+    return layer, inputs, [two_ops(layer, x, logits) for x, logits in inputs]
+
+
+def test_an_output_still_held_is_never_written_again():
+    layer, inputs, want = layer_and_calls(rows=3, calls=4, seed=15)
     held = layer(*inputs[0])                 # held by the caller
     view = layer(*inputs[1])[1:]             # only a view of the output is held
     ptr = layer(*inputs[2]).data_ptr()       # dropped: the next call may write into it
@@ -168,11 +173,7 @@ def test_an_output_still_held_is_never_written_again():
 
 def test_threads_calling_one_layer_get_their_own_results():
     import threading
-    p = make_problem(MoECase(M=2, H=64, I=32, E=4, k=2), torch.bfloat16, seed=17)
-    layer = cpumoe.FusedMoE(p.w13, p.w2, top_k=2)
-    g = torch.Generator().manual_seed(18)
-    inputs = [(torch.randn(2, 64, generator=g).bfloat16(), torch.randn(2, 4, generator=g)) for _ in range(2)]
-    want = [two_ops(layer, x, logits) for x, logits in inputs]
+    layer, inputs, want = layer_and_calls(rows=2, calls=2, seed=17)
     wrong = []
 
     def calls(i: int) -> None:
