@@ -169,6 +169,11 @@ def test_an_output_still_held_is_never_written_again():
         inference = layer(*inputs[0]).data_ptr()
     out = layer(*inputs[0])                  # outside inference mode: not the inference tensor kept above
     assert not out.is_inference() and out.data_ptr() != inference and torch.equal(out, want[0])
+    out.requires_grad_()                     # changed by its holder, then dropped: not reused
+    ptr = out.data_ptr()
+    del out
+    out = layer(*inputs[1])
+    assert out.data_ptr() != ptr and not out.requires_grad and torch.equal(out, want[1])
 
 
 def test_threads_calling_one_layer_get_their_own_results():
