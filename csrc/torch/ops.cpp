@@ -325,7 +325,6 @@ at::Tensor fused_experts(const at::Tensor& hidden, const at::Tensor& w13, const 
                          const std::optional<at::Tensor>& w2_bias, const std::optional<at::Tensor>& expert_map,
                          bool apply_router_weight_on_input) {
   check_dense(hidden, "hidden_states", 2);
-  to_dtype(hidden, "hidden_states");
   const ExpertWeights w = dense_expert_weights(hidden.size(1), hidden.scalar_type(), w13, w2, kernel_name,
                                                activation, w13_bias, w2_bias, expert_map,
                                                apply_router_weight_on_input);
