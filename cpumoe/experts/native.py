@@ -10,8 +10,8 @@ from cpumoe.experts.base import ExpertsBackend, ExpertsConfig, PreparedExperts, 
 from cpumoe.quant import QuantFormat, QuantizedWeight
 
 # Backends whose sums for a row depend on the call's row count: x86-amx runs calls of enough rows on AMX tiles
-# (4 for bf16 and fp8, 16 for int4 and mxfp4) and fewer on the AVX-512 tiles, whose bf16 and fp8 sums add up a
-# row's products in another order (its int8, int4 and mxfp4 sums are exact and give the same bits either way).
+# (4 for bf16 and fp8, 16 for int4 and mxfp4) and fewer on the AVX-512 tiles, whose bf16, fp8 and mxfp4 sums add up
+# a row's products in another order (its int8 and int4 sums are exact and give the same bits either way).
 ROW_COUNT_DEPENDENT = frozenset({"x86-amx"})
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -158,8 +158,8 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
   // 2. Scratch: the tiles' input rows (a padded/scaled copy, or A8 quantized rows), sorted row tables, the
   //    intermediate (dtype; float32 then A8 rows when quantized to int8), w2 outputs.
   const bool copy_input = a.apply_router_weight_on_input || geo.k13 != H;
-  const int64_t stride13 = geo.int8_rows ? quant_row_stride(geo.k13) : geo.k13 * es;
-  const int64_t stride2 = geo.int8_rows ? quant_row_stride(Ip) : Ip * es;
+  const int64_t stride13 = geo.int8_rows ? quant_row_stride(*a.quant, geo.k13) : geo.k13 * es;
+  const int64_t stride2 = geo.int8_rows ? quant_row_stride(*a.quant, Ip) : Ip * es;
   const int64_t inter_es = geo.int8_rows ? 4 : es;
   auto align = [](int64_t b) { return round_up(b, 64); };
   const int64_t bytes_x = copy_input ? align(M * geo.k13 * es) : 0;

@@ -28,7 +28,7 @@ void linear(const LinearArgs& a, const Parallel& parallel) {
   const char* x = static_cast<const char*>(a.x);
   int64_t x_stride = a.K * es;
   if (int8_rows) {
-    x_stride = quant_row_stride(Kp);
+    x_stride = quant_row_stride(*a.quant, Kp);
     staged.resize(a.M * x_stride);
     parallel_items(parallel, a.M, [&](int64_t m) {
       quantize_row(*a.quant, x + m * a.K * es, a.K, a.dtype, Kp,

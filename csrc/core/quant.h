@@ -54,6 +54,7 @@
 //       int8 a[Kp] (stored as u8 = a + 128 when the tile set has unsigned_activations), then at byte Kp a
 //       f32 scale, then at byte Kp + 4 int32 sums[Kp/32]: sums[c] = sum of a[32c .. 32c+31] (signed a).
 //       Quantization per row: scale = max|x| / 127, a = round_half_even(x / scale) (all 0 when max is 0).
+//       Where the tile set has bf16_codes, the row goes on with bf16 a[Kp] (the same values, exact).
 //   A16 format (fp8): bf16 rows of Kp elements (zero-padded).
 //
 // Tile outputs (GemmTile::out):
@@ -65,7 +66,9 @@
 // once per row (int8): y = scale_a * sum_G scale_w[G] * (acc_G - zero[G] * sums_G) for int4, y = scale_a *
 // scale_w * (acc) for int8, and for mxfp4 (acc_G = sum of kMxfp4Twice[q] * a, so the 2 is taken off with
 // the row's scale) y = (sum_G 2^(e_G - 127) * acc_G) * (scale_a * 0.5). Each backend sums the groups in
-// order, one rounding per group, so every backend gives the same bits.
+// order, one rounding per group, so every backend gives the same bits; but x86-amx's mxfp4 prefill, which
+// sums the same exact products (the A8 codes times the weights' values, both exact in bf16) on bf16 tiles,
+// in float32 in the tiles' order (QuantKernel::bf16_codes).
 #pragma once
 #include <cstdint>
 
@@ -146,7 +149,14 @@ struct QuantKernel {
   TileFn w2_tile;
   WriteRowFn write_row = nullptr;  // A8: this ISA's build of the row writer (nullptr: the baseline one)
   bool sorted_rows = false;        // as KernelTable::sorted_rows (the A8 rows of w13 in expert order)
+  bool bf16_codes = false;         // A8 rows carry their codes again, as bf16 [Kp] at quant_row_stride(Kp),
+                                   // written by write_row, for tiles that sum them on bf16 units
 };
+
+// Bytes of one of q's A8 rows: the A8 layout, then its bf16 codes where q reads them.
+inline int64_t quant_row_stride(const QuantKernel& q, int64_t Kp) {
+  return quant_row_stride(Kp) + (q.bf16_codes ? round_up(2 * Kp, 64) : 0);
+}
 
 // Quantizes one row x[0:K] (bf16/f16/f32 as `dtype`; K <= Kp) into the A8 row layout at dst, with q's row
 // writer. Every writer gives the same bits; a prefill quantizes each token's row and each (token, slot)'s

@@ -6,7 +6,7 @@ import torch
 import cpumoe
 from cpumoe import reference
 from cpumoe.experts import ExpertsConfig, all_backends
-from cpumoe.quant import QuantFormat, quantize
+from cpumoe.quant import QuantFormat, QuantizedWeight, dequantize, quantize
 from tests.kernels.moe_cases import MoECase, make_problem
 from tests.kernels.tolerances import assert_quant_close
 
@@ -255,15 +255,14 @@ def test_symmetric_and_zero_point_int4_do_not_join():
 
 @pytest.mark.skipif("x86-amx" not in native_backends_for("int8_w8a8", torch.bfloat16), reason="no AMX-INT8 here")
 @pytest.mark.parametrize("fmt,group,sym", [("int8_w8a8", None, True), ("int4_w4a16", 64, True),
-                                           ("int4_w4a16", 128, False), ("mxfp4_w4a16", None, True)],
-                         ids=["int8", "int4-g64", "int4-g128-asym", "mxfp4"])
+                                           ("int4_w4a16", 128, False)], ids=["int8", "int4-g64", "int4-g128-asym"])
 @pytest.mark.parametrize("case", [MoECase(M=120, H=160, I=128, E=4, k=2), MoECase(M=120, H=384, I=128, E=4, k=2),
                                   MoECase(M=70, H=2048, I=768, E=2, k=1)], ids=lambda c: c.id)
 def test_amx_a8_tiles_give_the_bits_of_the_generic_tiles(fmt, group, sym, case):
-    """x86-amx's TDPBUSD / TDPBSUD / TDPBSSD tiles sum int32 exactly and rescale as the VNNI tiles do: the same bits
-    as quant_generic. ~60 scattered rows an expert (whole tiles of 16, a padded one, w13's rows sorted by the driver);
-    K = 160 leaves an int8 k-quad tail past the last whole 64 (and 5 mxfp4 groups of 32); 384 takes int4's groups;
-    then the real qwen3 shapes."""
+    """x86-amx's TDPBUSD / TDPBSUD tiles sum int32 exactly and rescale as the VNNI tiles do: the same bits as
+    quant_generic. ~60 scattered rows an expert (whole tiles of 16, a padded one, w13's rows sorted by the driver);
+    K = 160 leaves an int8 k-quad tail past the last whole 64; 384 takes int4's groups; then the real qwen3 shapes.
+    (mxfp4's prefill sums on bf16 tiles: the tests below.)"""
     if not fits(case, fmt, group):
         pytest.skip(f"group {group} does not divide H={case.H}")
     p = make_problem(case, torch.bfloat16)
@@ -274,3 +273,58 @@ def test_amx_a8_tiles_give_the_bits_of_the_generic_tiles(fmt, group, sym, case):
         assert layer.backend == backend
         out[backend] = layer.experts(p.x, p.topk_weights, p.topk_ids)
     assert torch.equal(out["x86-amx"], out["generic"])
+
+
+def _mxfp4_rows_and_weight(M, N, K, exps, seed=0):
+    """Integer activations with 127 in every row (so the A8 codes are the values, scale 1) and random e2m1 codes
+    under the given exponents [N, K/32]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-127, 128, (M, K), generator=g).float()
+    x[:, 0] = 127
+    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    return x, QuantizedWeight(QuantFormat.MXFP4_W4A16, codes, exps, None, 32)
+
+
+def _mxfp4_linear(x, w, backend):
+    packed = cpumoe.ops.pack_quant(w.qweight[None], w.scales[None], None, format="mxfp4_w4a16", group_size=32,
+                                   w13=False)
+    return cpumoe.ops.linear_quant(x, packed, None, backend=backend, format="mxfp4_w4a16", group_size=32,
+                                   out_features=w.qweight.shape[0])
+
+
+@pytest.mark.skipif("x86-amx" not in native_backends_for("mxfp4_w4a16", torch.bfloat16), reason="no AMX here")
+@pytest.mark.parametrize("M", [16, 40])
+def test_amx_mxfp4_prefill_sums_exact_products_in_float32(M):
+    """From 16 rows x86-amx widens an mxfp4 block to bf16 values (exact) and sums the A8 codes (exact in bf16) on
+    its bf16 tiles: float32 sums of exact products, so within float32 accumulation of the exact dot, with
+    exponents spread over 2^50 in a row, zero groups (e = 0) and the edges of the range (2, 252) kept."""
+    N, K = 128, 256
+    exps = torch.randint(100, 150, (N, K // 32), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    exps[0, 3] = 0
+    exps[1, :] = 0
+    exps[2, 0], exps[3, 1] = 2, 180
+    x, w = _mxfp4_rows_and_weight(M, N, K, exps)
+    values = dequantize(w).double()
+    values[exps.repeat_interleave(32, dim=1) == 0] = 0.0  # e = 0: a zero group
+    exact = x.double() @ values.T
+    bound = 2.0 ** -22 * (x.double().abs() @ values.abs().T)  # a few float32 roundings of the sum of |products|
+    for backend in ("x86-amx", "generic"):
+        y = _mxfp4_linear(x, w, backend).double()
+        assert ((y - exact).abs() <= bound).all(), (backend, (y - exact).abs().max())
+        assert torch.equal(y[:, 1], torch.zeros(M, dtype=torch.float64))
+
+
+@pytest.mark.skipif("x86-amx" not in native_backends_for("mxfp4_w4a16", torch.bfloat16), reason="no AMX here")
+@pytest.mark.parametrize("edge", [1, 253, 255])
+def test_amx_mxfp4_exponents_outside_bf16_take_the_int8_tiles(edge):
+    """A block with an exponent whose values bf16 cannot hold as normal numbers (1: 0.5 x 2^-126; 253 and up: past
+    bf16's largest) runs on the TDPBSSD tiles, which give quant_generic's bits; the other blocks are unaffected."""
+    N, K, M = 128, 256, 40
+    exps = torch.randint(110, 130, (N, K // 32), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    exps[5, 2] = edge
+    x, w = _mxfp4_rows_and_weight(M, N, K, exps, seed=3)
+    amx, generic = _mxfp4_linear(x, w, "x86-amx"), _mxfp4_linear(x, w, "generic")
+    assert torch.equal(amx[:, :64], generic[:, :64]) or edge == 255 and torch.equal(
+        amx[:, :64].isnan(), generic[:, :64].isnan())
+    finite = generic[:, 64:].isfinite()
+    assert torch.allclose(amx[:, 64:][finite], generic[:, 64:][finite], rtol=1e-5, atol=0)

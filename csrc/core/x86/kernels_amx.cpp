@@ -131,6 +131,25 @@ void amx_fp8_widened_w2_tile(const GemmTile& t) {
       }, nullptr, reinterpret_cast<const float*>(static_cast<const char*>(t.b) + 128 * t.k));
 }
 
+void amx_scaled_w13_tile(const GemmTile& t, const float* row_scales) {
+  run(t, [&](int r, const float* c) {
+        const __m512 s = _mm512_set1_ps(row_scales[r]);
+        simd::f32x16 v[4];
+        for (int q = 0; q < 4; ++q) v[q] = (simd::f32x16)_mm512_mul_ps(_mm512_load_ps(c + 16 * q), s);
+        if (t.dtype == DType::kFloat32) simd::w13_epilogue<DType::kFloat32>(t, r, v[0], v[1], v[2], v[3]);
+        else simd::w13_epilogue<DType::kBFloat16>(t, r, v[0], v[1], v[2], v[3]);
+      }, nullptr);
+}
+
+void amx_scaled_w2_tile(const GemmTile& t, const float* row_scales) {
+  run(t, [&](int r, const float* c) {
+        const __m512 s = _mm512_set1_ps(row_scales[r]);
+        simd::f32x16 v[4];
+        for (int q = 0; q < 4; ++q) v[q] = (simd::f32x16)_mm512_mul_ps(_mm512_load_ps(c + 16 * q), s);
+        simd::w2_epilogue(t, r, v);
+      }, nullptr);
+}
+
 const KernelTable& kernels_x86_amx() {
   // max_rows: the fused driver cuts an expert's rows into chunks of a multiple of it, so that every chunk but an
   // expert's last fills whole AMX tiles. No attention kernel of its own: x86-avx512bf16's runs.

@@ -1,5 +1,5 @@
 // x86-amx's tiles that other units call (kernels_amx.cpp): quant_amx.cpp runs fp8 prefill on them, over a block that
-// the AVX-512 BF16 unit has widened (avx512bf16_widen_fp8).
+// the AVX-512 BF16 unit has widened (avx512bf16_widen_fp8), and mxfp4 prefill, over a block it widens itself.
 #pragma once
 #include "../kernels.h"
 
@@ -9,5 +9,11 @@ namespace cpumoe {
 // 32): the chunked sums of the AVX-512 BF16 unit's fp8 tiles on AMX tiles. Any number of rows; bf16 out for w13.
 void amx_fp8_widened_w13_tile(const GemmTile& t);
 void amx_fp8_widened_w2_tile(const GemmTile& t);
+
+// Over a bf16 block in the kPairs order ([Kp/2][64][2] bf16, no metadata) and bf16 activation rows: plain tile sums,
+// row r's times row_scales[r] before the epilogue (A8 codes summed as bf16 times their row's scale). Any number of
+// rows; w13 writes t.dtype (float32 for A8 formats, bf16).
+void amx_scaled_w13_tile(const GemmTile& t, const float* row_scales);
+void amx_scaled_w2_tile(const GemmTile& t, const float* row_scales);
 
 }  // namespace cpumoe

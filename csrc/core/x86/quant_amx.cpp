@@ -9,7 +9,9 @@
 // Below them: int4_w4a16 as W4A8 with TDPBSUD over its widened nibbles (the same bits again), mxfp4_w4a16 with
 // TDPBSSD a 32-k group at a time (the same bits), and fp8_w8a16's prefill on x86-amx's bf16 tiles.
 #include <algorithm>
+#include <cstring>
 #include <utility>
+#include <vector>
 
 #include "../quant_row.h"
 #include "amx_tiles.h"
@@ -243,11 +245,103 @@ void fp8_tile(const GemmTile& t) {
   W13 ? amx_fp8_widened_w13_tile(wide) : amx_fp8_widened_w2_tile(wide);
 }
 
+// mxfp4_w4a16's prefill on the bf16 tiles: a call widens its block once to bf16 values, kE2m1[q] x 2^(e - 127)
+// (exact: an e2m1 value has two significant bits, and its power of two goes into the bf16 exponent), in x86-amx's
+// kPairs order, and the rows bring their A8 codes as bf16 too (write_row_bf16_codes); the tiles then sum the same
+// exact products as the W4A8 groups above, in float32, with no per-group rescale: only each row's scale, once.
+// The TDPBSSD tiles above stay for blocks whose exponents would leave bf16's normal range (1 or past 252).
+// qwen3-30b-a3b's layer at M = 2048: see README (layer benchmark, mxfp4 prefill).
+void write_row_bf16_codes(const float* x, int64_t K, int64_t Kp, bool unsigned_activations, uint8_t* dst) {
+  write_quantized_row(x, K, Kp, unsigned_activations, dst);  // signed codes: mxfp4's tiles take s8 activations
+  const int8_t* q = reinterpret_cast<const int8_t*>(dst);
+  uint8_t* out = dst + quant_row_stride(Kp);
+  for (int64_t k = 0; k < Kp; k += 32) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
+    _mm512_storeu_si512(out + 2 * k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// Every exponent of the block 0 (a zero group) or in [2, 252], so that each nonzero value is a normal bf16.
+bool mxfp4_exps_fit_bf16(const GemmTile& t) {
+  const uint8_t* exps = static_cast<const uint8_t*>(t.b) + 32 * t.k;
+  __mmask64 bad = 0;
+  for (int64_t i = 0; i < 2 * t.k; i += 64) {
+    const __m512i e = _mm512_loadu_si512(exps + i);
+    bad |= _mm512_cmpeq_epi8_mask(e, _mm512_set1_epi8(1)) | _mm512_cmpgt_epu8_mask(e, _mm512_set1_epi8(char(252)));
+  }
+  return bad == 0;
+}
+
+const void* widen_mxfp4_bf16(const GemmTile& t) {
+  const uint8_t* b = static_cast<const uint8_t*>(t.b);
+  const uint8_t* exps = b + 32 * t.k;
+  uint8_t* dst = qx86::scratch(128 * t.k);
+  alignas(64) uint16_t table[32] = {};
+  for (int q = 0; q < 16; ++q) {
+    uint32_t bits;
+    std::memcpy(&bits, &kE2m1[q], 4);
+    table[q] = uint16_t(bits >> 16);
+  }
+  const __m512i lut = _mm512_load_si512(table);
+  alignas(64) uint16_t column[32];  // word i of a converted half: its column, i / 4
+  alignas(64) int32_t even[16];     // dword 2n of a (v0, v1) pair of halves: column n's first k-pair
+  for (int i = 0; i < 32; ++i) column[i] = uint16_t(i / 4);
+  for (int n = 0; n < 16; ++n) even[n] = 2 * n;
+  const __m512i col0 = _mm512_load_si512(column), col1 = _mm512_add_epi16(col0, _mm512_set1_epi16(8));
+  const __m512i pick_even = _mm512_load_si512(even), pick_odd = _mm512_add_epi32(pick_even, _mm512_set1_epi32(1));
+  const __m512i low4 = _mm512_set1_epi8(0x0F), seven = _mm512_set1_epi16(7);
+  for (int64_t G = 0; G < t.k / kMxfp4Group; ++G)
+    for (int c = 0; c < 4; ++c) {
+      // The 16 columns' exponents, one word each, spread to the 4 words of a column's k-quad; their bf16 exponent
+      // offsets (e - 127) << 7, and which columns are live (e > 0: a zero group gives zeros).
+      const __m512i e16 = _mm512_castsi256_si512(
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(exps + 64 * G + 16 * c))));
+      const __m512i e_lo = _mm512_permutexvar_epi16(col0, e16), e_hi = _mm512_permutexvar_epi16(col1, e16);
+      const __mmask32 live_lo = _mm512_test_epi16_mask(e_lo, e_lo), live_hi = _mm512_test_epi16_mask(e_hi, e_hi);
+      const __m512i bias = _mm512_set1_epi16(127);
+      const __m512i off_lo = _mm512_slli_epi16(_mm512_sub_epi16(e_lo, bias), 7);
+      const __m512i off_hi = _mm512_slli_epi16(_mm512_sub_epi16(e_hi, bias), 7);
+      for (int64_t s = G * kMxfp4Group / 8; s < (G + 1) * kMxfp4Group / 8; ++s) {
+        const __m512i raw = _mm512_loadu_si512(b + 256 * s + 64 * c);
+        for (int half = 0; half < 2; ++half) {  // low nibbles: k 8s..8s+3 (pairs 4s, 4s+1); high: the next four
+          const __m512i codes = half ? _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4) : _mm512_and_si512(raw, low4);
+          const __m512i w_lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(codes));
+          const __m512i w_hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(codes, 1));
+          // +-0 codes and dead columns give +0; the others their value with the exponent offset added
+          const __m512i v_lo = _mm512_maskz_add_epi16(_mm512_test_epi16_mask(w_lo, seven) & live_lo,
+                                                      _mm512_permutexvar_epi16(w_lo, lut), off_lo);
+          const __m512i v_hi = _mm512_maskz_add_epi16(_mm512_test_epi16_mask(w_hi, seven) & live_hi,
+                                                      _mm512_permutexvar_epi16(w_hi, lut), off_hi);
+          uint8_t* pair = dst + 256 * (4 * s + 2 * half) + 64 * c;
+          _mm512_store_si512(pair, _mm512_permutex2var_epi32(v_lo, pick_even, v_hi));
+          _mm512_store_si512(pair + 256, _mm512_permutex2var_epi32(v_lo, pick_odd, v_hi));
+        }
+      }
+    }
+  return dst;
+}
+
 template <bool W13>
 void mxfp4_tile(const GemmTile& t) {
   if (t.rows < kWidenedMinRows) {
     const QuantKernel* vnni = quant_x86_avx512vnni(QuantFormat::kMxfp4W4A16);
     return W13 ? vnni->w13_tile(t) : vnni->w2_tile(t);
+  }
+  if (mxfp4_exps_fit_bf16(t)) {
+    thread_local std::vector<const void*> codes;
+    thread_local std::vector<float> scales;
+    codes.resize(t.rows);
+    scales.resize(t.rows);
+    for (int r = 0; r < t.rows; ++r) {
+      codes[r] = static_cast<const uint8_t*>(t.a_rows[r]) + quant_row_stride(t.k);
+      scales[r] = qx86::a8_scale(t.a_rows[r], t.k);
+    }
+    GemmTile wide = t;
+    wide.b = widen_mxfp4_bf16(t);
+    wide.a_rows = codes.data();
+    return W13 ? amx_scaled_w13_tile(wide, scales.data()) : amx_scaled_w2_tile(wide, scales.data());
   }
   GemmTile wide = t;
   wide.b = widen_mxfp4(t);
@@ -278,8 +372,8 @@ const QuantKernel* quant_x86_amx(QuantFormat f) {
   static const QuantKernel fp8{kTileRows, false, fp8_tile<true>, fp8_tile<false>, nullptr, /*sorted_rows=*/true};
   static const QuantKernel int4{kTileRows, false, int4_tile<true>, int4_tile<false>, write_quantized_row,
                                 /*sorted_rows=*/true};
-  static const QuantKernel mxfp4{kTileRows, false, mxfp4_tile<true>, mxfp4_tile<false>, write_quantized_row,
-                                 /*sorted_rows=*/true};
+  static const QuantKernel mxfp4{kTileRows, false, mxfp4_tile<true>, mxfp4_tile<false>, write_row_bf16_codes,
+                                 /*sorted_rows=*/true, /*bf16_codes=*/true};
   switch (f) {
     case QuantFormat::kInt8W8A8: return &int8;
     case QuantFormat::kInt4W4A16: return &int4;
