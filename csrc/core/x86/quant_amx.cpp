@@ -97,11 +97,19 @@ void widen_nibbles(const uint8_t* b, int64_t Kp, uint8_t* dst, Map map) {
 // layout (codes 0..15 as u8: k-octet s's low nibbles are quad 2s, its high ones quad 2s + 1), its group metadata
 // copied behind them; then TDPBSUD (signed activations x unsigned codes), one group of g k at a time, and the VNNI
 // unit's per-group float operations in its order: tot += scale * (sum - zero * sum_g(a)), y = tot * a's scale.
+// Symmetric weights (zero 8) widen to q - 8 instead and take TDPBSSD: the int32 sums are then sum - 8 * sum_g(a),
+// which the float subtraction gives exactly too (integers below 2^24), so the bits stay and the group's rescale
+// loses its subtraction and the activation sums.
 const void* widen_int4(const GemmTile& t) {
   const uint8_t* b = static_cast<const uint8_t*>(t.b);
   const int64_t meta_bytes = 4 * int4_group_floats(t.symmetric) * (t.k / t.group);
   uint8_t* dst = qx86::scratch(64 * t.k + meta_bytes);
-  widen_nibbles(b, t.k, dst, [](__m512i codes) { return codes; });
+  if (t.symmetric) {
+    const __m512i eight = _mm512_set1_epi8(8);
+    widen_nibbles(b, t.k, dst, [&](__m512i codes) { return _mm512_sub_epi8(codes, eight); });
+  } else {
+    widen_nibbles(b, t.k, dst, [](__m512i codes) { return codes; });
+  }
   std::memcpy(dst + 64 * t.k, b + 32 * t.k, meta_bytes);
   return dst;
 }
@@ -121,10 +129,25 @@ struct AmxInt4Dot {  // over widen_int4's block
     alignas(64) int32_t acc[kTileRows * 64];
     for (int64_t k0 = 0; k0 < Kp; k0 += g) {
       amx::zero_accumulators();
-      for (int64_t k = k0; k < k0 + g; k += kStepK)
-        CPUMOE_AMX_K_STEP(_tile_dpbsud, a + k, stride, b + (k / 4) * kQuadBytes);
+      if (t.symmetric) {
+        for (int64_t k = k0; k < k0 + g; k += kStepK)
+          CPUMOE_AMX_K_STEP(_tile_dpbssd, a + k, stride, b + (k / 4) * kQuadBytes);
+      } else {
+        for (int64_t k = k0; k < k0 + g; k += kStepK)
+          CPUMOE_AMX_K_STEP(_tile_dpbsud, a + k, stride, b + (k / 4) * kQuadBytes);
+      }
       amx::store_accumulators(acc);
       const float* scale = meta + stride_meta * (k0 / g);
+      if (t.symmetric) {  // the sums are sum - 8 * sum_g(a) already, in integers: the float operations' exact result
+        for (int c = 0; c < 4; ++c) {
+          const __m512 sw = _mm512_loadu_ps(scale + 16 * c);
+          for (int r = 0; r < R; ++r) {
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(acc + 64 * r + 16 * c));
+            tot[r][c] = _mm512_add_ps(tot[r][c], _mm512_mul_ps(sw, v));
+          }
+        }
+        continue;
+      }
       const float* zeros = int4_zeros(scale, t.symmetric);
       __m512 sum_a[R];
       __m512 zero_sum[R];  // symmetric: zero * sum_a is one value a row (every zero is 8), taken once
