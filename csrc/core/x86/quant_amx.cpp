@@ -126,8 +126,10 @@ struct AmxInt4Dot {  // over widen_int4's block
     __m512 tot[R][4];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) tot[r][c] = _mm512_setzero_ps();
-    alignas(64) int32_t acc[kTileRows * 64];
-    for (int64_t k0 = 0; k0 < Kp; k0 += g) {
+    // Group G + 1's tile products are issued before group G's rescale, so the AMX unit sums one group while the
+    // vector units rescale the one before (and a group's sums are read well after their tile stores).
+    alignas(64) int32_t acc[2][kTileRows * 64];
+    const auto products = [&](int64_t k0) {
       amx::zero_accumulators();
       if (t.symmetric) {
         for (int64_t k = k0; k < k0 + g; k += kStepK)
@@ -136,13 +138,18 @@ struct AmxInt4Dot {  // over widen_int4's block
         for (int64_t k = k0; k < k0 + g; k += kStepK)
           CPUMOE_AMX_K_STEP(_tile_dpbsud, a + k, stride, b + (k / 4) * kQuadBytes);
       }
-      amx::store_accumulators(acc);
+    };
+    products(0);
+    for (int64_t k0 = 0; k0 < Kp; k0 += g) {
+      const int32_t* sums_g = acc[(k0 / g) & 1];
+      amx::store_accumulators(acc[(k0 / g) & 1]);
+      if (k0 + g < Kp) products(k0 + g);
       const float* scale = meta + stride_meta * (k0 / g);
       if (t.symmetric) {  // the sums are sum - 8 * sum_g(a) already, in integers: the float operations' exact result
         for (int c = 0; c < 4; ++c) {
           const __m512 sw = _mm512_loadu_ps(scale + 16 * c);
           for (int r = 0; r < R; ++r) {
-            const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(acc + 64 * r + 16 * c));
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(sums_g + 64 * r + 16 * c));
             tot[r][c] = _mm512_add_ps(tot[r][c], _mm512_mul_ps(sw, v));
           }
         }
@@ -150,16 +157,12 @@ struct AmxInt4Dot {  // over widen_int4's block
       }
       const float* zeros = int4_zeros(scale, t.symmetric);
       __m512 sum_a[R];
-      __m512 zero_sum[R];  // symmetric: zero * sum_a is one value a row (every zero is 8), taken once
-      for (int r = 0; r < R; ++r) {
-        sum_a[r] = _mm512_set1_ps(float(qx86::a8_sum(rows.sums[r], k0, k0 + g)));
-        zero_sum[r] = _mm512_mul_ps(_mm512_loadu_ps(zeros), sum_a[r]);
-      }
+      for (int r = 0; r < R; ++r) sum_a[r] = _mm512_set1_ps(float(qx86::a8_sum(rows.sums[r], k0, k0 + g)));
       for (int c = 0; c < 4; ++c) {
         const __m512 sw = _mm512_loadu_ps(scale + 16 * c), zero = _mm512_loadu_ps(zeros + 16 * c);
         for (int r = 0; r < R; ++r) {  // unfused, in quant_generic's order
-          const __m512 sums = _mm512_cvtepi32_ps(_mm512_load_si512(acc + 64 * r + 16 * c));
-          const __m512 v = _mm512_sub_ps(sums, t.symmetric ? zero_sum[r] : _mm512_mul_ps(zero, sum_a[r]));
+          const __m512 sums = _mm512_cvtepi32_ps(_mm512_load_si512(sums_g + 64 * r + 16 * c));
+          const __m512 v = _mm512_sub_ps(sums, _mm512_mul_ps(zero, sum_a[r]));
           tot[r][c] = _mm512_add_ps(tot[r][c], _mm512_mul_ps(sw, v));
         }
       }
