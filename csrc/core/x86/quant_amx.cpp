@@ -37,27 +37,33 @@ inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
   return acc;
 }
 
-// Set by int8_tile before a call's row tiles: the first one reads the block from memory and prefetches it
-// (amx::prefetch_ahead), the later ones find it in L2.
-thread_local bool first_row_tile = false;
+// int8_w8a8 over a call's rows, 16 at a time, pipelined: tile i + 1's products are issued before tile i's rescale
+// and epilogue, so the AMX unit sums one tile while the vector units finish the one before (and read its sums well
+// after their tile stores). The call's first tile reads the block from memory and prefetches it
+// (amx::prefetch_ahead); the later ones find it in L2.
+struct AmxInt8Rows {
+  const GemmTile& t;
+  const uint8_t* b;
+  int64_t whole;  // k in whole AMX k-steps
 
-template <int R>
-struct AmxInt8Dot {
-  static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
-    const uint8_t* b = static_cast<const uint8_t*>(t.b);
+  explicit AmxInt8Rows(const GemmTile& t) : t(t), b(static_cast<const uint8_t*>(t.b)), whole(t.k / kStepK * kStepK) {}
+
+  void products(int first, int n) const {
     int64_t stride;
-    const uint8_t* a = reinterpret_cast<const uint8_t*>(amx::tile_rows(t.a_rows, R, t.k, &stride));
-    const int64_t whole = t.k / kStepK * kStepK;
-    const bool stream = std::exchange(first_row_tile, false);
+    const uint8_t* a = reinterpret_cast<const uint8_t*>(amx::tile_rows(t.a_rows + first, n, t.k, &stride));
     amx::zero_accumulators();
     for (int64_t k = 0; k < whole; k += kStepK) {
-      if (stream) amx::prefetch_ahead(b + (k / 4) * kQuadBytes, 16 * kQuadBytes);
+      if (first == 0) amx::prefetch_ahead(b + (k / 4) * kQuadBytes, 16 * kQuadBytes);
       CPUMOE_AMX_K_STEP(_tile_dpbusd, a + k, stride, b + (k / 4) * kQuadBytes);
     }
-    alignas(64) int32_t acc[kTileRows * 64];
-    amx::store_accumulators(acc);
-    for (int r = 0; r < R; ++r) {  // the quads past the last whole tile (Kp is a multiple of 32, not of 64)
-      const int32_t* ar = static_cast<const int32_t*>(t.a_rows[r]);
+  }
+
+  // Rows [first, first + n) from their tile's stored sums: the quads past the last whole k-step, quant_avx512vnni's
+  // Int8Dot rescale operation for operation, then the epilogue.
+  template <bool W13>
+  void finish(int first, int n, int32_t* acc) const {
+    for (int r = 0; r < n; ++r) {  // Kp is a multiple of 32, not of 64
+      const int32_t* ar = static_cast<const int32_t*>(t.a_rows[first + r]);
       for (int64_t q = whole / 4; q < t.k / 4; ++q) {
         const __m512i x = _mm512_set1_epi32(ar[q]);
         for (int c = 0; c < 4; ++c) {
@@ -68,14 +74,36 @@ struct AmxInt8Dot {
     }
     const float* scale = reinterpret_cast<const float*>(b + 64 * t.k);
     const int32_t* colsum = reinterpret_cast<const int32_t*>(scale + 64);
-    for (int c = 0; c < 4; ++c) {  // quant_avx512vnni's Int8Dot rescale, operation for operation
-      const __m512 sw = _mm512_loadu_ps(scale + 16 * c);
-      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16 * c), 7);  // 128 * colsum
-      for (int r = 0; r < R; ++r) {
+    __m512 sw[4];
+    __m512i offset[4];
+    for (int c = 0; c < 4; ++c) {
+      sw[c] = _mm512_loadu_ps(scale + 16 * c);
+      offset[c] = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16 * c), 7);  // 128 * colsum
+    }
+    for (int r = 0; r < n; ++r) {
+      const __m512 sa = _mm512_set1_ps(qx86::a8_scale(t.a_rows[first + r], t.k));
+      simd::f32x16 y[4];
+      for (int c = 0; c < 4; ++c) {
         const __m512i sums = _mm512_load_si512(acc + 64 * r + 16 * c);
-        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, offset)), sw);
-        y[r][c] = (simd::f32x16)_mm512_mul_ps(v, _mm512_set1_ps(qx86::a8_scale(t.a_rows[r], t.k)));
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, offset[c])), sw[c]);
+        y[c] = (simd::f32x16)_mm512_mul_ps(v, sa);
       }
+      if constexpr (W13) simd::w13_epilogue<DType::kFloat32>(t, first + r, y[0], y[1], y[2], y[3]);
+      else simd::w2_epilogue(t, first + r, y);
+    }
+  }
+
+  template <bool W13>
+  void run() const {
+    alignas(64) int32_t acc[2][kTileRows * 64];
+    const int tiles = (t.rows + kTileRows - 1) / kTileRows;
+    const auto rows_of = [&](int i) { return std::min(kTileRows, t.rows - kTileRows * i); };
+    products(0, rows_of(0));
+    amx::store_accumulators(acc[0]);
+    for (int i = 0; i < tiles; ++i) {
+      if (i + 1 < tiles) products(kTileRows * (i + 1), rows_of(i + 1));
+      finish<W13>(kTileRows * i, rows_of(i), acc[i & 1]);
+      if (i + 1 < tiles) amx::store_accumulators(acc[(i + 1) & 1]);
     }
   }
 };
@@ -240,7 +268,6 @@ struct AmxMxfp4Dot {  // over widen_mxfp4's block
   }
 };
 
-using AmxInt8Tiles = qx86::Tiles<AmxInt8Dot, DType::kFloat32, kTileRows>;
 using AmxInt4Tiles = qx86::Tiles<AmxInt4Dot, DType::kFloat32, kTileRows>;
 using AmxMxfp4Tiles = qx86::Tiles<AmxMxfp4Dot, DType::kFloat32, kTileRows>;
 
@@ -385,9 +412,7 @@ void int8_tile(const GemmTile& t) {
     return W13 ? vnni->w13_tile(t) : vnni->w2_tile(t);
   }
   amx::configure_tiles();
-  first_row_tile = true;
-  if constexpr (W13) AmxInt8Tiles::w13(t);
-  else AmxInt8Tiles::w2(t);
+  AmxInt8Rows(t).run<W13>();
   _tile_release();
 }
 
