@@ -33,12 +33,16 @@ constexpr int64_t kPairBytes = kBlockCols * 2 * 2;  // a k-pair of a block: 64 c
 // of 16: one A tile against the four B tiles of a k-step, so each k-step reads whole 256-byte rows of the block (a
 // 32-row group, two A tiles against two B tiles a half of the block at a time, ran 10% slower at M = 512 and 2048:
 // it read the block in two strided passes). stream: the call's first row group, which reads the block from memory.
-void tile_products(const char* a, int64_t a_stride, const char* b, int64_t pairs, float* c, bool stream) {
+void sum_tiles(const char* a, int64_t a_stride, const char* b, int64_t pairs, bool stream) {
   amx::zero_accumulators();
   for (int64_t p = 0; p < pairs; p += kTilePairs) {
     if (stream) amx::prefetch_ahead(b + p * kPairBytes, kTilePairs * kPairBytes);
     CPUMOE_AMX_K_STEP(_tile_dpbf16ps, a + p * 4, a_stride, b + p * kPairBytes);
   }
+}
+
+void tile_products(const char* a, int64_t a_stride, const char* b, int64_t pairs, float* c, bool stream) {
+  sum_tiles(a, a_stride, b, pairs, stream);
   amx::store_accumulators(c);
 }
 
@@ -57,20 +61,13 @@ void tail_pairs(const char* a, int64_t a_stride, const char* b, int64_t from, in
   }
 }
 
-// c[16][64] for rows [first, first + n) of the call (n <= 16; rows past n are zeros and their sums unused).
-// chunk_scales: a widened fp8 block's float32 scales [ceil(k / t.group)][64] (t.group a multiple of 32): each
-// chunk of t.group k sums on its own and adds scale * sum, as the AVX-512 BF16 unit's chunked tiles do; nullptr:
-// plain bf16 weights.
-void group(const GemmTile& t, int first, int n, float* c, const float* chunk_scales) {
+// c[16][64] for rows [first, first + n) of the call (n <= 16; rows past n are zeros and their sums unused) over a
+// widened fp8 block: chunk_scales, its float32 scales [ceil(k / t.group)][64] (t.group a multiple of 32); each
+// chunk of t.group k sums on its own and adds scale * sum, as the AVX-512 BF16 unit's chunked tiles do.
+void chunked_group(const GemmTile& t, int first, int n, float* c, const float* chunk_scales) {
   int64_t stride;
   const char* a = amx::tile_rows(t.a_rows + first, n, t.k * 2, &stride);
   const char* b = static_cast<const char*>(t.b);
-  const int64_t pairs = t.k / 2, whole = pairs / kTilePairs * kTilePairs;
-  if (!chunk_scales) {
-    tile_products(a, stride, b, whole, c, /*stream=*/first == 0);
-    if (whole < pairs) tail_pairs(a, stride, b, whole, pairs, n, c);
-    return;
-  }
   alignas(64) float chunk[kTileRows * 64];
   for (int i = 0; i < n * 64; i += 16) _mm512_store_ps(c + i, _mm512_setzero_ps());
   for (int64_t k0 = 0, ci = 0; k0 < t.k; k0 += t.group, ++ci) {
@@ -90,13 +87,40 @@ void group(const GemmTile& t, int first, int n, float* c, const float* chunk_sca
 template <typename Epilogue>
 void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows, const float* chunk_scales = nullptr) {
   if (t.rows < kMinRows && fewer_rows) return fewer_rows(t);
-  alignas(64) float c[kTileRows * 64];
   amx::configure_tiles();
-  for (int done = 0; done < t.rows;) {
-    const int n = std::min(t.rows - done, kTileRows);
-    group(t, done, n, c, chunk_scales);
-    for (int r = 0; r < n; ++r) epilogue(done + r, c + r * 64);
-    done += n;
+  if (chunk_scales) {
+    alignas(64) float c[kTileRows * 64];
+    for (int done = 0; done < t.rows;) {
+      const int n = std::min(t.rows - done, kTileRows);
+      chunked_group(t, done, n, c, chunk_scales);
+      for (int r = 0; r < n; ++r) epilogue(done + r, c + r * 64);
+      done += n;
+    }
+  } else {
+    // Plain weights: tile i + 1's products are issued before tile i's epilogue, so the AMX unit sums one tile
+    // while the vector units finish the one before (and read its sums well after their tile stores).
+    alignas(64) float c[2][kTileRows * 64];
+    const char* b = static_cast<const char*>(t.b);
+    const int64_t pairs = t.k / 2, whole = pairs / kTilePairs * kTilePairs;
+    const int tiles = (t.rows + kTileRows - 1) / kTileRows;
+    const auto rows_of = [&](int i) { return std::min(kTileRows, t.rows - kTileRows * i); };
+    const auto products = [&](int i) {
+      int64_t stride;
+      const char* a = amx::tile_rows(t.a_rows + kTileRows * i, rows_of(i), t.k * 2, &stride);
+      sum_tiles(a, stride, b, whole, /*stream=*/i == 0);
+    };
+    products(0);
+    amx::store_accumulators(c[0]);
+    for (int i = 0; i < tiles; ++i) {
+      if (i + 1 < tiles) products(i + 1);
+      const int first = kTileRows * i, n = rows_of(i);
+      float* ci = c[i & 1];
+      if (whole < pairs)  // from the rows themselves: the copy tile_rows made may hold the next tile's by now
+        for (int r = 0; r < n; ++r)
+          tail_pairs(static_cast<const char*>(t.a_rows[first + r]), 0, b, whole, pairs, 1, ci + r * 64);
+      for (int r = 0; r < n; ++r) epilogue(first + r, ci + r * 64);
+      if (i + 1 < tiles) amx::store_accumulators(c[(i + 1) & 1]);
+    }
   }
   _tile_release();
 }
