@@ -11,7 +11,6 @@
 // time, the same bits, where an exponent leaves bf16's range), and fp8_w8a16's prefill on the bf16 tiles too.
 #include <algorithm>
 #include <cstring>
-#include <utility>
 #include <vector>
 
 #include "../quant_row.h"
@@ -310,9 +309,10 @@ void write_row_bf16_codes(const float* x, int64_t K, int64_t Kp, bool unsigned_a
   const int8_t* q = reinterpret_cast<const int8_t*>(dst);
   uint8_t* out = dst + quant_row_stride(Kp);
   for (int64_t k = 0; k < Kp; k += 32) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
-    const __m512 hi =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
+    const auto codes_at = [&](int64_t i) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
+    };
+    const __m512 lo = codes_at(k), hi = codes_at(k + 16);
     _mm512_storeu_si512(out + 2 * k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
 }
