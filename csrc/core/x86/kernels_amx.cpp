@@ -97,30 +97,22 @@ void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows, const float* c
       done += n;
     }
   } else {
-    // Plain weights: tile i + 1's products are issued before tile i's epilogue, so the AMX unit sums one tile
-    // while the vector units finish the one before (and read its sums well after their tile stores).
-    alignas(64) float c[2][kTileRows * 64];
+    // Plain weights: the AMX unit sums a tile while the vector units finish the one before.
     const char* b = static_cast<const char*>(t.b);
     const int64_t pairs = t.k / 2, whole = pairs / kTilePairs * kTilePairs;
-    const int tiles = (t.rows + kTileRows - 1) / kTileRows;
-    const auto rows_of = [&](int i) { return std::min(kTileRows, t.rows - kTileRows * i); };
-    const auto products = [&](int i) {
-      int64_t stride;
-      const char* a = amx::tile_rows(t.a_rows + kTileRows * i, rows_of(i), t.k * 2, &stride);
-      sum_tiles(a, stride, b, whole, /*stream=*/i == 0);
-    };
-    products(0);
-    amx::store_accumulators(c[0]);
-    for (int i = 0; i < tiles; ++i) {
-      if (i + 1 < tiles) products(i + 1);
-      const int first = kTileRows * i, n = rows_of(i);
-      float* ci = c[i & 1];
-      if (whole < pairs)  // from the rows themselves: the copy tile_rows made may hold the next tile's by now
-        for (int r = 0; r < n; ++r)
-          tail_pairs(static_cast<const char*>(t.a_rows[first + r]), 0, b, whole, pairs, 1, ci + r * 64);
-      for (int r = 0; r < n; ++r) epilogue(first + r, ci + r * 64);
-      if (i + 1 < tiles) amx::store_accumulators(c[(i + 1) & 1]);
-    }
+    amx::pipelined_row_tiles<float>(
+        t.rows,
+        [&](int first, int n) {
+          int64_t stride;
+          const char* a = amx::tile_rows(t.a_rows + first, n, t.k * 2, &stride);
+          sum_tiles(a, stride, b, whole, /*stream=*/first == 0);
+        },
+        [&](int first, int n, float* c) {
+          if (whole < pairs)  // from the rows themselves: the copy tile_rows made may hold the next tile's by now
+            for (int r = 0; r < n; ++r)
+              tail_pairs(static_cast<const char*>(t.a_rows[first + r]), 0, b, whole, pairs, 1, c + r * 64);
+          for (int r = 0; r < n; ++r) epilogue(first + r, c + r * 64);
+        });
   }
   _tile_release();
 }

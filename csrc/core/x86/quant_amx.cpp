@@ -36,9 +36,8 @@ inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
   return acc;
 }
 
-// int8_w8a8 over a call's rows, 16 at a time, pipelined: tile i + 1's products are issued before tile i's rescale
-// and epilogue, so the AMX unit sums one tile while the vector units finish the one before (and read its sums well
-// after their tile stores). The call's first tile reads the block from memory and prefetches it
+// int8_w8a8 over a call's rows, 16 at a time (amx::pipelined_row_tiles: the AMX unit sums a tile while the vector
+// units rescale the one before). The call's first tile reads the block from memory and prefetches it
 // (amx::prefetch_ahead); the later ones find it in L2.
 struct AmxInt8Rows {
   const GemmTile& t;
@@ -94,16 +93,9 @@ struct AmxInt8Rows {
 
   template <bool W13>
   void run() const {
-    alignas(64) int32_t acc[2][kTileRows * 64];
-    const int tiles = (t.rows + kTileRows - 1) / kTileRows;
-    const auto rows_of = [&](int i) { return std::min(kTileRows, t.rows - kTileRows * i); };
-    products(0, rows_of(0));
-    amx::store_accumulators(acc[0]);
-    for (int i = 0; i < tiles; ++i) {
-      if (i + 1 < tiles) products(kTileRows * (i + 1), rows_of(i + 1));
-      finish<W13>(kTileRows * i, rows_of(i), acc[i & 1]);
-      if (i + 1 < tiles) amx::store_accumulators(acc[(i + 1) & 1]);
-    }
+    amx::pipelined_row_tiles<int32_t>(
+        t.rows, [&](int first, int n) { products(first, n); },
+        [&](int first, int n, int32_t* acc) { finish<W13>(first, n, acc); });
   }
 };
 
