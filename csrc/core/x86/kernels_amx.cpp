@@ -168,9 +168,9 @@ void amx_scaled_w2_tile(const GemmTile& t, const float* row_scales) {
 
 const KernelTable& kernels_x86_amx() {
   // max_rows: the fused driver cuts an expert's rows into chunks of a multiple of it, so that every chunk but an
-  // expert's last fills whole AMX tiles. No attention kernel of its own: x86-avx512bf16's runs.
+  // expert's last fills whole AMX tiles.
   static const KernelTable table{"x86-amx", Layout::kPairs, kTileRows, 1u << int(DType::kBFloat16), amx_w13_tile,
-                                 amx_w2_tile, nullptr, nullptr, /*sorted_rows=*/true};
+                                 amx_w2_tile, amx_decode_attention, kAmxAttentionScope, /*sorted_rows=*/true};
   return table;
 }
 

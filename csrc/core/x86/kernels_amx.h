@@ -16,4 +16,9 @@ void amx_fp8_widened_w2_tile(const GemmTile& t);
 void amx_scaled_w13_tile(const GemmTile& t, const float* row_scales);
 void amx_scaled_w2_tile(const GemmTile& t, const float* row_scales);
 
+// Decode attention (attention_amx.cpp): both products on AMX tiles over bf16 caches with head sizes a multiple of 32
+// and block sizes a multiple of 16; the other calls run x86-avx512bf16's kernel.
+void amx_decode_attention(const DecodeAttentionArgs& a, int64_t seq, int64_t kv_head);
+extern const char* const kAmxAttentionScope;  // what it hands to x86-avx512bf16's kernel, in words
+
 }  // namespace cpumoe
