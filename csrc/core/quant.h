@@ -41,6 +41,9 @@
 //
 //   fp8_w8a16   [Kp/2][64][2] e4m3 bytes: byte (k/2*64 + n)*2 + k%2 = w[n][k]                 64*Kp bytes
 //               then f32 scale[ceil(Kp/g)][64]: scale of (column n, k-chunk k/g)             +256*ceil(Kp/g)
+//               then u64 words, bit p of word p/64 set where k-pair p's 128 codes hold a zero    +Kp/16 bytes,
+//               exponent field (a zero or a subnormal: tiles that widen e4m3 with shifts    padded to 64
+//               skip their fix-up elsewhere)
 //               value = e4m3_to_float(w) * scale; g is the checkpoint's k block (128), even.
 //
 //   mxfp4_w4a16 the e2m1 codes q in int4_w4a16's nibble order (above)                       32*Kp bytes
@@ -105,13 +108,19 @@ inline const float* int4_zeros(const float* group_scales, bool symmetric) {
   return symmetric ? kInt4SymmetricZeros.z : group_scales + 64;
 }
 
+// An fp8_w8a16 block's bytes after its 64 * Kp codes: its scales (k-chunks of g), then its zero-exponent bits.
+inline int64_t fp8_scale_bytes(int64_t Kp, int64_t g) { return 256 * ((Kp + g - 1) / g); }
+inline int64_t fp8_meta_bytes(int64_t Kp, int64_t g) {
+  return fp8_scale_bytes(Kp, g) + round_up((Kp / 2 + 7) / 8, 64);
+}
+
 // Bytes of one packed block of 64 columns over Kp (already padded) with group size g (int4: group, fp8:
 // k-chunk; ignored by int8 and mxfp4); symmetric: an int4 block without zero points.
 inline int64_t quant_block_bytes(QuantFormat f, int64_t Kp, int64_t g, bool symmetric = false) {
   switch (f) {
     case QuantFormat::kInt8W8A8: return 64 * Kp + 512;
     case QuantFormat::kInt4W4A16: return 32 * Kp + 4 * int4_group_floats(symmetric) * (Kp / g);
-    case QuantFormat::kFp8W8A16: return 64 * Kp + 256 * ((Kp + g - 1) / g);
+    case QuantFormat::kFp8W8A16: return 64 * Kp + fp8_meta_bytes(Kp, g);
     default: return 34 * Kp;
   }
 }

@@ -1,5 +1,6 @@
 #include "quant_pack.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -80,6 +81,10 @@ void pack_block(const QuantSource& s, const QuantPackedShape& shape, const RowVi
       float* scale = reinterpret_cast<float*>(out + 64 * Kp);
       for (int64_t c = 0; c < chunks; ++c)
         for (int n = 0; n < kBlockCols; ++n) scale[c * 64 + n] = rows[n].codes && c < src_chunks ? fs[n][c] : 0.0f;
+      uint64_t* zero_exponents = reinterpret_cast<uint64_t*>(out + 64 * Kp + fp8_scale_bytes(Kp, shape.group));
+      for (int64_t p = 0; p < Kp / 2; ++p)
+        if (std::any_of(out + 128 * p, out + 128 * (p + 1), [](uint8_t c) { return (c & 0x78) == 0; }))
+          zero_exponents[p / 64] |= uint64_t(1) << (p % 64);
       break;
     }
     default: {

@@ -183,6 +183,39 @@ def test_fp8_subnormal_codes_and_activations_far_from_one(backend, flush_denorma
         assert err < 1e-2, f"{backend} row {r} (x {x[r].abs().max().item():.3g}): error {err:.3g} of the largest output"
 
 
+@pytest.mark.parametrize("backend", native_backends_for("fp8_w8a16", torch.bfloat16))
+@pytest.mark.parametrize("M", [2, 6, 16])
+def test_fp8_zero_exponent_codes_in_a_few_k_pairs(backend, M):
+    """Zeros (both signs) and subnormals in a few k-pairs of otherwise normal fp8 codes: the packed block marks
+    exactly those k-pairs (quant.h: a bit per k-pair after the scales), a k-pair whose only zero exponent lies in
+    its second k or its last column included, and each backend gives those weights' values to the bit. Row i
+    reads the weights at one placed k alone (a one-hot row), so each output is one product, the same bits in any
+    order of sums: a code widened as if its exponent were normal would show (a zero as 2^-7 of its scale)."""
+    from cpumoe.models.packed_linear import QuantizedLinear
+    K, N = 320, 64  # 160 k-pairs: two bit words and a part of a third
+    g = torch.Generator().manual_seed(5)
+    qw = quantize(torch.randn(N, K, generator=g), "fp8_w8a16", 128)
+    codes = qw.qweight.view(torch.uint8).clone()
+    codes[(codes & 0x78) == 0] |= 0x08  # no zero exponents but the ones placed below
+    placed = [(0, 0, 0x00), (5, 7, 0x80), (63, 65, 0x03), (17, 128, 0x85), (40, 319, 0x01), (2, 200, 0x06)]
+    for n, k, code in placed:
+        codes[n, k] = code
+    qw.qweight = codes.view(torch.float8_e4m3fn)
+    layer = QuantizedLinear(qw, has_bias=False, dtype=torch.bfloat16, backend=backend)
+    block = layer.packed_weight.view(torch.uint8).reshape(-1)
+    bits_at = 64 * K + 256 * 3  # the codes, then 3 k-chunks of scales
+    bits = int.from_bytes(block[bits_at:bits_at + K // 16].numpy().tobytes(), "little")
+    assert bits == sum(1 << p for p in {k // 2 for _, k, _ in placed})
+    x = torch.zeros(M, K, dtype=torch.bfloat16)
+    for i in range(M):
+        x[i, placed[i % len(placed)][1]] = 1.0
+    y, expected = layer(x), reference.quantized_linear(x, qw, None)
+    for i in range(M):
+        n, k, code = placed[i % len(placed)]
+        assert torch.equal(y[i], expected[i]), f"{backend}: code {code:#04x} at column {n}, k {k}"
+    assert y[0, 0] == 0
+
+
 @pytest.mark.parametrize("backend", native_backends_for("int8_w8a8", torch.float32))
 def test_activation_rounding_ties_and_nan(backend):
     """Each backend's build of the A8 row quantizer (quant_row.h): ties round to even as torch.round, a row's

@@ -278,7 +278,7 @@ struct Fp8Dot {
     const uint8_t* b = static_cast<const uint8_t*>(t.b);
     const float* scales = reinterpret_cast<const float*>(b + 64 * t.k);
     const int64_t chunks = (t.k + t.group - 1) / t.group;
-    const CodeStream stream{b, 64 * t.k, 256 * chunks, kFp8PrefetchBytes};
+    const CodeStream stream{b, 64 * t.k, fp8_meta_bytes(t.k, t.group), kFp8PrefetchBytes};
     const __m256i mask = _mm256_set1_epi32(int32_t(0x87F00000u));
     const __m256i times16 = _mm256_set1_epi16(0x0010);  // u8 16 at each low byte, 0 at each high one
     float lift[R], unlift[R][2];  // 2^S; 2^(120 - S) in two factors, each a normal f32

@@ -13,6 +13,7 @@
 // subnormals), bound by VDPBF16PS (~1.3 per ns here) plus the widening, not by memory; 64 rows: 0.95-1.0x
 // (the dense tile's rate).
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "kernels_avx512bf16.h"
@@ -25,23 +26,25 @@ constexpr int kDirectRows = 2;    // register tiles that widen the weights thems
 constexpr int kScratchRows = 3;   // from this many rows a call dequantizes its block once
 constexpr int kPrefetchBytes = 4096;
 
-// fp8 e4m3 block: [Kp/2][64][2] bytes, then f32 scale[ceil(Kp/g)][64].
+// fp8 e4m3 block (quant.h): [Kp/2][64][2] bytes, then f32 scale[ceil(Kp/g)][64], then a bit per k-pair set where
+// its codes hold a zero exponent field.
 struct Fp8 {
   static constexpr int kPairBytes = 128;
   const uint8_t* b;
   const float* scales;
+  const uint64_t* zero_exponents;
   int64_t chunk;
-  __m512i mag, mag_sign, bias, sign, exp_mask, exp_mask8, subnormal;
+  __m512i mag, mag_sign, bias, sign, exp_mask, subnormal;
   explicit Fp8(const GemmTile& t)
       : b(static_cast<const uint8_t*>(t.b)),
         scales(reinterpret_cast<const float*>(b + 64 * t.k)),
+        zero_exponents(reinterpret_cast<const uint64_t*>(b + 64 * t.k + fp8_scale_bytes(t.k, t.group))),
         chunk(t.group),
         mag(_mm512_set1_epi16(0x07F0)),
         mag_sign(_mm512_set1_epi16(int16_t(0x87F0))),
         bias(_mm512_set1_epi16(0x3800)),
         sign(_mm512_set1_epi16(int16_t(0x8000))),
-        exp_mask(_mm512_set1_epi16(0x0078)),
-        exp_mask8(_mm512_set1_epi8(0x78)) {
+        exp_mask(_mm512_set1_epi16(0x0078)) {
     alignas(64) uint16_t table[32] = {};
     for (int m = 0; m < 8; ++m) table[m] = f32_to_bf16(float(m) * (1.0f / 131072.0f));  // m * 2^-17
     subnormal = _mm512_load_si512(table);
@@ -57,14 +60,23 @@ struct Fp8 {
     v = _mm512_mask_permutexvar_epi16(v, sub, y, subnormal);
     return _mm512_ternarylogic_epi32(sign, t, v, 0xCA);          // sign from t, the rest from v
   }
-  // All 64 columns of k-pair p. Zeros and subnormals (e = 0) need the table; real checkpoints have few, so
-  // one test per 128-byte row lets most rows skip it (3 ops a vector instead of 6).
+  // All 64 columns of k-pair p. Zeros and subnormals (e = 0) need the table; real checkpoints have few (1.4% of
+  // the k-pairs of a normally distributed weight), so the k-pairs without any run as their own loop (3 ops a vector
+  // instead of 6), found from the block's bit per k-pair (clean_until).
+  template <bool HasE0>
   void row(int64_t p, __m512i (&w)[4]) const {
-    const __m512i* raw = reinterpret_cast<const __m512i*>(b + kPairBytes * p);
-    const bool has_e0 = (_mm512_testn_epi8_mask(_mm512_loadu_si512(raw), exp_mask8) |
-                         _mm512_testn_epi8_mask(_mm512_loadu_si512(raw + 1), exp_mask8)) != 0;
-    for (int c = 0; c < 4; ++c) w[c] = weights(p, c, has_e0);
+    for (int c = 0; c < 4; ++c) w[c] = weights(p, c, HasE0);
   }
+  // The first k-pair in [p, end) whose codes hold a zero exponent field, or end.
+  int64_t clean_until(int64_t p, int64_t end) const {
+    while (p < end) {
+      const uint64_t bits = zero_exponents[p >> 6] >> (p & 63);
+      if (bits) return std::min(end, p + __builtin_ctzll(bits));
+      p = (p | 63) + 1;
+    }
+    return end;
+  }
+  static int64_t meta_bytes(const GemmTile& t) { return fp8_meta_bytes(t.k, t.group); }
   __m512 scale(int64_t chunk_index, int c) const {
     return _mm512_mul_ps(_mm512_loadu_ps(scales + 64 * chunk_index + 16 * c), _mm512_set1_ps(256.0f));
   }
@@ -79,10 +91,13 @@ struct Fp8Widened {
   int64_t chunk;
   explicit Fp8Widened(const GemmTile& t)
       : b(static_cast<const uint8_t*>(t.b)), scales(reinterpret_cast<const float*>(b + 128 * t.k)), chunk(t.group) {}
+  template <bool HasE0>
   void row(int64_t p, __m512i (&w)[4]) const {
     for (int c = 0; c < 4; ++c) w[c] = _mm512_load_si512(b + kPairBytes * p + 64 * c);
   }
+  int64_t clean_until(int64_t, int64_t end) const { return end; }
   __m512 scale(int64_t chunk_index, int c) const { return _mm512_load_ps(scales + 64 * chunk_index + 16 * c); }
+  static int64_t meta_bytes(const GemmTile& t) { return 256 * ((t.k + t.group - 1) / t.group); }
 };
 
 // y[r][c] = sum over chunks of scale * (the chunk's bf16 dot), R rows, widening the weights per k-pair.
@@ -96,7 +111,7 @@ void chunked_dot(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
     for (int c = 0; c < 4; ++c) tot[r][c] = _mm512_setzero_ps();
   }
   const int64_t chunks = (t.k + f.chunk - 1) / f.chunk;
-  const int64_t codes = F::kPairBytes * (t.k / 2), tail = 256 * chunks;
+  const int64_t codes = F::kPairBytes * (t.k / 2), tail = F::meta_bytes(t);
   const char* b = reinterpret_cast<const char*>(f.b);
   for (int64_t k0 = 0, chunk = 0; k0 < t.k; k0 += f.chunk, ++chunk) {
     const int64_t k1 = std::min(k0 + f.chunk, t.k);
@@ -108,16 +123,20 @@ void chunked_dot(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t p = k0 / 2; p < k1 / 2; ++p) {
+    const auto pair = [&](int64_t p, auto has_e0) {
       int64_t at = F::kPairBytes * p + kPrefetchBytes;
       if (R <= kDirectRows && at >= codes) at += tail;  // past the codes: on in the next block's (a run's next tile)
       for (int l = 0; l < F::kPairBytes / 64; ++l)
         _mm_prefetch(b + at + 64 * l, _MM_HINT_T1);
       __m512i w[4];
-      f.row(p, w);
+      f.template row<decltype(has_e0)::value>(p, w);
       for (int c = 0; c < 4; ++c)
         for (int r = 0; r < R; ++r)
           acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)_mm512_set1_epi32(a[r][p]), (__m512bh)w[c]);
+    };
+    for (int64_t p = k0 / 2, end = k1 / 2; p < end;) {
+      for (const int64_t clean = f.clean_until(p, end); p < clean; ++p) pair(p, std::false_type{});
+      if (p < end) pair(p++, std::true_type{});
     }
     for (int c = 0; c < 4; ++c) {
       const __m512 s = f.scale(chunk, c);
@@ -136,10 +155,14 @@ const void* avx512bf16_widen_fp8(const GemmTile& t) {
   const Fp8 f(t);
   const int64_t chunks = (t.k + t.group - 1) / t.group;
   uint8_t* dst = qx86::scratch(128 * t.k + 256 * chunks);
-  for (int64_t p = 0; p < t.k / 2; ++p) {
+  const auto pair = [&](int64_t p, auto has_e0) {
     __m512i w[4];
-    f.row(p, w);
+    f.template row<decltype(has_e0)::value>(p, w);
     for (int c = 0; c < 4; ++c) _mm512_store_si512(dst + 256 * p + 64 * c, w[c]);
+  };
+  for (int64_t p = 0, end = t.k / 2; p < end;) {
+    for (const int64_t clean = f.clean_until(p, end); p < clean; ++p) pair(p, std::false_type{});
+    if (p < end) pair(p++, std::true_type{});
   }
   float* scales = reinterpret_cast<float*>(dst + 128 * t.k);
   for (int64_t chunk = 0; chunk < chunks; ++chunk)
