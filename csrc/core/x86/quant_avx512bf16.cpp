@@ -5,9 +5,9 @@
 // exponent bias: s, e + 112, m is the e4m3 value x 2^-8 as a bf16 normal (VDPBF16PS flushes bf16
 // subnormals, so the bias keeps even e4m3's subnormals m * 2^-9 normal; those lanes come from a table).
 // Exact; 2^8 goes into the f32 scale. Each chunk of g k sums in f32 and is rescaled per column once.
-// Decode (1-2 rows) widens per register tile, streaming the codes with a prefetch that skips the scales into the
-// next block's codes, and the scales a chunk ahead (as the VNNI unit's tiles; 1.07x at M = 1). Prefill widens each block once into a thread-local bf16
-// kPairs block, unscaled, run by the same chunked tile (6 rows).
+// Decode (1-2 rows) widens per register tile, streaming the codes with a prefetch that skips the block's metadata
+// into the next block's codes, and the scales a chunk ahead (as the VNNI unit's tiles; 1.07x at M = 1). Prefill
+// widens each block once into a thread-local bf16 kPairs block, unscaled, run by the same chunked tile (6 rows).
 // Measured on one Xeon (Emerald Rapids) thread against the dense bf16 tile, 1 row streaming 1 GB of
 // Kp = 2048 blocks (bf16: 15 GB/s): 1.7x the rows per second (1.55x when 10% of the bytes are zeros or
 // subnormals), bound by VDPBF16PS (~1.3 per ns here) plus the widening, not by memory; 64 rows: 0.95-1.0x
