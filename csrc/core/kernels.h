@@ -42,6 +42,25 @@ struct DecodeAttentionArgs {
 };
 using AttentionFn = void (*)(const DecodeAttentionArgs&, int64_t seq, int64_t kv_head);
 
+// One sequence's keys and values of one KV head in the paged caches, as rows of T (the caches' element type).
+template <typename T>
+struct PagedHeadRows {
+  const T* k;
+  const T* v;
+  const int64_t* table;
+  int64_t k_slot, v_slot, block_size;  // elements from a slot's row to the next slot's
+  PagedHeadRows(const DecodeAttentionArgs& a, int64_t seq, int64_t kv_head)
+      : k(static_cast<const T*>(a.k_cache) + kv_head * a.d),
+        v(static_cast<const T*>(a.v_cache) + kv_head * a.dv),
+        table(a.block_table + seq * a.n),
+        k_slot(a.k_slot_stride ? a.k_slot_stride : a.nkv * a.d),
+        v_slot(a.v_slot_stride ? a.v_slot_stride : a.nkv * a.dv),
+        block_size(a.block_size) {}
+  int64_t slot(int64_t j) const { return table[j / block_size] * block_size + j % block_size; }  // key position j
+  const T* key(int64_t j) const { return k + slot(j) * k_slot; }
+  const T* value(int64_t j) const { return v + slot(j) * v_slot; }
+};
+
 struct KernelTable {
   const char* name;       // e.g. "x86-avx512bf16"
   Layout layout;

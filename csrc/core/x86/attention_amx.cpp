@@ -52,30 +52,14 @@ struct Scratch {
   }
 };
 
-// One head's accumulator row (per 32 columns: even ones, then odd) times inv, stored in column order as bf16.
-void store_head(const float* acc, int64_t dv, float inv, uint16_t* out) {
-  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  const __m512 scale = _mm512_set1_ps(inv);
-  for (int64_t c = 0; c < dv; c += 32) {
-    const __m512 even = _mm512_loadu_ps(acc + c), odd = _mm512_loadu_ps(acc + c + 16);
-    const __m512 lo = _mm512_permutex2var_ps(even, first, odd), hi = _mm512_permutex2var_ps(even, second, odd);
-    simd::store<DType::kBFloat16>(out + c, (simd::f32x16)_mm512_mul_ps(lo, scale));
-    simd::store<DType::kBFloat16>(out + c + 16, (simd::f32x16)_mm512_mul_ps(hi, scale));
-  }
-}
+// The order of an accumulator row's columns in each 32: the 16 even ones, then the 16 odd ones.
+constexpr int32_t kEvenOddColumns[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                         8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 void attention_rows(const DecodeAttentionArgs& a, int64_t s, int64_t kv_head) {
-  const int64_t g = a.nh / a.nkv, d = a.d, dv = a.dv, bs = a.block_size;
+  const int64_t g = a.nh / a.nkv, d = a.d, dv = a.dv;
   const int64_t begin = a.key_begin[s], end = a.key_end[s];
-  const int64_t* table = a.block_table + s * a.n;
-  const int64_t k_slot = a.k_slot_stride ? a.k_slot_stride : a.nkv * d;
-  const int64_t v_slot = a.v_slot_stride ? a.v_slot_stride : a.nkv * dv;
-  const uint16_t* k_cache = static_cast<const uint16_t*>(a.k_cache) + kv_head * d;
-  const uint16_t* v_cache = static_cast<const uint16_t*>(a.v_cache) + kv_head * dv;
-  const auto row_at = [&](const uint16_t* cache, int64_t slot_stride, int64_t j) {
-    return cache + (table[j / bs] * bs + j % bs) * slot_stride;
-  };
+  const PagedHeadRows<uint16_t> rows(a, s, kv_head);
   const Scratch w(d, dv);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale = _mm512_set1_ps(a.scale);
@@ -96,28 +80,28 @@ void attention_rows(const DecodeAttentionArgs& a, int64_t s, int64_t kv_head) {
       const int tiles = j0 + 16 < end ? 2 : 1;
       // each key tile's first K and V rows, and the next step's, whose rows go to L2 during the softmax (rows a
       // KV-head stride apart in scattered blocks: the hardware prefetcher does not follow them)
-      const uint16_t* k_rows[2] = {row_at(k_cache, k_slot, j0), nullptr};
-      const uint16_t* v_rows[2] = {row_at(v_cache, v_slot, j0), nullptr};
+      const uint16_t* k_rows[2] = {rows.key(j0), nullptr};
+      const uint16_t* v_rows[2] = {rows.value(j0), nullptr};
       if (tiles == 2) {
-        k_rows[1] = row_at(k_cache, k_slot, j0 + 16);
-        v_rows[1] = row_at(v_cache, v_slot, j0 + 16);
+        k_rows[1] = rows.key(j0 + 16);
+        v_rows[1] = rows.value(j0 + 16);
       }
       const int64_t next_keys = std::min<int64_t>(kKeys, std::max<int64_t>(0, end - j0 - kKeys));
       const char* next_k[2] = {nullptr, nullptr};
       const char* next_v[2] = {nullptr, nullptr};
       for (int t = 0; 16 * t < next_keys; ++t) {
-        next_k[t] = reinterpret_cast<const char*>(row_at(k_cache, k_slot, j0 + kKeys + 16 * t));
-        next_v[t] = reinterpret_cast<const char*>(row_at(v_cache, v_slot, j0 + kKeys + 16 * t));
+        next_k[t] = reinterpret_cast<const char*>(rows.key(j0 + kKeys + 16 * t));
+        next_v[t] = reinterpret_cast<const char*>(rows.value(j0 + kKeys + 16 * t));
       }
       // scores: tile 0 the first 16 keys, tile 1 the next
       _tile_zero(0);
       _tile_zero(1);
       for (int64_t i = 0; i < steps; ++i) {
         _tile_loadd(6, w.q + i * kTileWords, 64);
-        _tile_loadd(4, k_rows[0] + 32 * i, 2 * k_slot);
+        _tile_loadd(4, k_rows[0] + 32 * i, 2 * rows.k_slot);
         _tile_dpbf16ps(0, 4, 6);
         if (tiles == 2) {
-          _tile_loadd(5, k_rows[1] + 32 * i, 2 * k_slot);
+          _tile_loadd(5, k_rows[1] + 32 * i, 2 * rows.k_slot);
           _tile_dpbf16ps(1, 5, 6);
         }
       }
@@ -139,8 +123,8 @@ void attention_rows(const DecodeAttentionArgs& a, int64_t s, int64_t kv_head) {
         for (int j = 0; j < 16; ++j) {
           const int64_t key = 16 * t + j;
           if (key < next_keys) {
-            const char* k_next = next_k[t] + j * 2 * k_slot;
-            const char* v_next = next_v[t] + j * 2 * v_slot;
+            const char* k_next = next_k[t] + j * 2 * rows.k_slot;
+            const char* v_next = next_v[t] + j * 2 * rows.v_slot;
             for (int64_t b = 0; b < 2 * d; b += 64) _mm_prefetch(k_next + b, _MM_HINT_T1);
             for (int64_t b = 0; b < 2 * dv; b += 64) _mm_prefetch(v_next + b, _MM_HINT_T1);
           }
@@ -174,11 +158,11 @@ void attention_rows(const DecodeAttentionArgs& a, int64_t s, int64_t kv_head) {
       int64_t value_stride[2];
       for (int t = 0; t < tiles; ++t) {
         values[t] = v_rows[t];
-        value_stride[t] = 2 * v_slot;
+        value_stride[t] = 2 * rows.v_slot;
         if (valid(16 * t) && valid(16 * t + 15)) continue;
         uint16_t* copy = reinterpret_cast<uint16_t*>(w.v) + t * 16 * dv;
         for (int j = 0; j < 16; ++j) {
-          if (valid(16 * t + j)) std::memcpy(copy + j * dv, v_rows[t] + j * v_slot, 2 * dv);
+          if (valid(16 * t + j)) std::memcpy(copy + j * dv, v_rows[t] + j * rows.v_slot, 2 * dv);
           else std::memset(copy + j * dv, 0, 2 * dv);
         }
         values[t] = copy;
@@ -213,7 +197,8 @@ void attention_rows(const DecodeAttentionArgs& a, int64_t s, int64_t kv_head) {
       float denom = l_out[h];
       if (a.sinks) denom += std::exp(a.sinks[head0 + h] - m_out[h]);
       const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;  // no keys and no sink: zeros
-      store_head(w.acc + h * dv, dv, inv, static_cast<uint16_t*>(a.out) + (s * a.nh + head0 + h) * dv);
+      avx512bf16_store_attention_row(w.acc + h * dv, dv, inv, kEvenOddColumns,
+                                     static_cast<uint16_t*>(a.out) + (s * a.nh + head0 + h) * dv);
     }
   }
   _tile_release();

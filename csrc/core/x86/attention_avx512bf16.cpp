@@ -102,30 +102,15 @@ constexpr AddValuesFn kAddValues[kValueHeads + 1] = {nullptr,         add_values
                                                      add_values<3>,   add_values<4>, add_values<5>,
                                                      add_values<6>,   add_values<7>, add_values<8>};
 
-// One head's accumulator row (interleaved order) times inv, stored in column order as bf16.
-void store_head(const float* acc, int64_t dv, float inv, uint16_t* out) {
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  const __m512 scale = _mm512_set1_ps(inv);
-  for (int64_t c = 0; c < dv; c += 32) {
-    const __m512 lo = _mm512_loadu_ps(acc + c), hi = _mm512_loadu_ps(acc + c + 16);
-    simd::store<DType::kBFloat16>(out + c, (simd::f32x16)_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale));
-    simd::store<DType::kBFloat16>(out + c + 16,
-                                  (simd::f32x16)_mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale));
-  }
-}
+// The order of an accumulator row's columns in each 32 (lanes 4L + j hold column 8L + j, lanes 16 + 4L + j column
+// 8L + 4 + j, as VPUNPCKLWD / VPUNPCKHWD of two value rows leave them), for avx512bf16_store_attention_row.
+constexpr int32_t kInterleavedColumns[32] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23,
+                                             8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
 
 void attention_rows(const DecodeAttentionArgs& a, int64_t s, int64_t kv_head) {
-  const int64_t g = a.nh / a.nkv, d = a.d, dv = a.dv, bs = a.block_size, pairs = d / 2;
+  const int64_t g = a.nh / a.nkv, d = a.d, dv = a.dv, pairs = d / 2;
   const int64_t begin = a.key_begin[s], end = a.key_end[s];
-  const int64_t* table = a.block_table + s * a.n;
-  const int64_t k_slot = a.k_slot_stride ? a.k_slot_stride : a.nkv * d;
-  const int64_t v_slot = a.v_slot_stride ? a.v_slot_stride : a.nkv * dv;
-  const uint16_t* k_cache = static_cast<const uint16_t*>(a.k_cache) + kv_head * d;
-  const uint16_t* v_cache = static_cast<const uint16_t*>(a.v_cache) + kv_head * dv;
-  const auto row_at = [&](const uint16_t* cache, int64_t slot_stride, int64_t j) {
-    return cache + (table[j / bs] * bs + j % bs) * slot_stride;
-  };
+  const PagedHeadRows<uint16_t> rows(a, s, kv_head);
   const auto add_lines = [](const uint16_t* row, int64_t bytes, const char** lines) {  // -> lines added
     const char* first = reinterpret_cast<const char*>(row);
     int64_t n = 0;
@@ -164,16 +149,16 @@ void attention_rows(const DecodeAttentionArgs& a, int64_t s, int64_t kv_head) {
       const uint16_t* keys[kTile];
       const uint16_t* values[kTile];
       for (int t = 0; t < kTile; ++t) {
-        keys[t] = t < T ? row_at(k_cache, k_slot, j0 + t) : zeros;
-        values[t] = t < T ? row_at(v_cache, v_slot, j0 + t) : zeros;
+        keys[t] = t < T ? rows.key(j0 + t) : zeros;
+        values[t] = t < T ? rows.value(j0 + t) : zeros;
       }
       // the next tile's rows into L2 while this one computes (rows a KV-head stride apart in scattered blocks: the
       // hardware prefetcher does not follow them), spread over the scores and values of the first heads. Into L1,
       // or two tiles ahead, was slower at batch 16; all of a sequence's rows at its start changed nothing.
       int64_t n_lines = 0;
       for (int64_t j = j0 + T, j_end = std::min(end, j0 + T + kTile); j < j_end; ++j) {
-        n_lines += add_lines(row_at(k_cache, k_slot, j), d * 2, lines.data() + n_lines);
-        n_lines += add_lines(row_at(v_cache, v_slot, j), dv * 2, lines.data() + n_lines);
+        n_lines += add_lines(rows.key(j), d * 2, lines.data() + n_lines);
+        n_lines += add_lines(rows.value(j), dv * 2, lines.data() + n_lines);
       }
       const int P = (T + 1) / 2;  // key pairs of the values
       const SpreadPrefetch ahead(lines.data(), n_lines, pairs + (dv / 32) * P);
@@ -226,12 +211,25 @@ void attention_rows(const DecodeAttentionArgs& a, int64_t s, int64_t kv_head) {
       float denom = l[h];
       if (a.sinks) denom += std::exp(a.sinks[head0 + h] - m[h]);
       const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;  // no keys and no sink: zeros
-      store_head(acc + h * dv, dv, inv, static_cast<uint16_t*>(a.out) + (s * a.nh + head0 + h) * dv);
+      avx512bf16_store_attention_row(acc + h * dv, dv, inv, kInterleavedColumns,
+                                     static_cast<uint16_t*>(a.out) + (s * a.nh + head0 + h) * dv);
     }
   }
 }
 
 }  // namespace
+
+void avx512bf16_store_attention_row(const float* acc, int64_t dv, float inv, const int32_t (&order)[32],
+                                    uint16_t* out) {
+  const __m512i first = _mm512_loadu_si512(order), second = _mm512_loadu_si512(order + 16);
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int64_t c = 0; c < dv; c += 32) {
+    const __m512 lo = _mm512_loadu_ps(acc + c), hi = _mm512_loadu_ps(acc + c + 16);
+    simd::store<DType::kBFloat16>(out + c, (simd::f32x16)_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale));
+    simd::store<DType::kBFloat16>(out + c + 16,
+                                  (simd::f32x16)_mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale));
+  }
+}
 
 const char* const kAvx512Bf16AttentionScope =
     "takes bf16 caches with head sizes a multiple of 32; other dtypes and head sizes run x86-avx512's float32 FMA "

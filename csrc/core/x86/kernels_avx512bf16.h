@@ -12,6 +12,11 @@ void avx512bf16_w2_tile(const GemmTile& t);   // float32 out
 // dtypes and sizes run the x86-avx512 FMA kernel.
 void avx512bf16_decode_attention(const DecodeAttentionArgs& a, int64_t seq, int64_t kv_head);
 extern const char* const kAvx512Bf16AttentionScope;  // what it hands to the FMA kernel, in words
+// A head's float32 accumulator row times inv, stored as bf16 in column order: order[i] (i < 16) is the lane of a
+// 32-column group's two halves (0-15 the first, 16-31 the second) that holds column i, order[16 + i] column 16 + i.
+// dv a multiple of 32.
+void avx512bf16_store_attention_row(const float* acc, int64_t dv, float inv, const int32_t (&order)[32],
+                                    uint16_t* out);
 
 // An fp8_w8a16 block widened once (quant_avx512bf16.cpp): [Kp/2][64][2] bf16 (the codes times 2^-8, unscaled),
 // then its float32 scales [ceil(Kp / g)][64] (the 2^8 folded in), in this thread's scratch.
