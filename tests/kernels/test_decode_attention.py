@@ -90,10 +90,11 @@ def test_large_scores_stay_finite():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("width, values", [(40, 32), (96, 64)])
-def test_values_as_a_view_of_the_keys_leading_channels(backend, width, values):
+@pytest.mark.parametrize("block_size", [4, 16])  # 16: x86-amx's tiles, which read the rows in place
+def test_values_as_a_view_of_the_keys_leading_channels(backend, width, values, block_size):
     """MLA's latent cache: one (c + r)-wide row per token whose first c channels are the values, passed as the view
     k_cache[..., :c] (row stride c + r); the same result as with a contiguous copy of it."""
-    q, k_cache, _, batch, _ = make_case(3, 8, 1, width, 8, 4, [1, 9, 23], torch.bfloat16)
+    q, k_cache, _, batch, _ = make_case(3, 8, 1, width, 8, block_size, [1, 9, 40], torch.bfloat16)
     view = k_cache[..., :values]
     args = (batch.block_table, batch.key_begin, batch.key_end, 0.2)
     out = ops.decode_attention(q, k_cache, view, *args, backend=backend)
