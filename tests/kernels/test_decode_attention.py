@@ -49,6 +49,8 @@ CASES = [  # S, nh, nkv, d, dv, block_size, lens, window, sinks
     # groups of 8, 8 and 4; a partial last tile of odd length; a window inside a block; sinks
     (3, 20, 1, 96, 64, 7, [40, 13, 77], None, True),
     (2, 6, 2, 64, 32, 16, [33, 95], 50, True),
+    # block size 16 (x86-amx's tiles): g = 20 in a group of 16 heads and one of 4, a window from inside a block
+    (3, 20, 1, 96, 64, 16, [40, 13, 77], 30, True),
 ]
 
 

@@ -97,7 +97,7 @@ struct Fp8Widened {
   }
   int64_t clean_until(int64_t, int64_t end) const { return end; }
   __m512 scale(int64_t chunk_index, int c) const { return _mm512_load_ps(scales + 64 * chunk_index + 16 * c); }
-  static int64_t meta_bytes(const GemmTile& t) { return 256 * ((t.k + t.group - 1) / t.group); }
+  static int64_t meta_bytes(const GemmTile& t) { return fp8_scale_bytes(t.k, t.group); }
 };
 
 // y[r][c] = sum over chunks of scale * (the chunk's bf16 dot), R rows, widening the weights per k-pair.
