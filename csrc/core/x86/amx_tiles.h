@@ -84,20 +84,31 @@ inline void store_accumulators(void* c) {
   _tile_stored(3, p + 192, 256);
 }
 
-// A call's rows in tiles of 16, the AMX unit one tile ahead of the vector units: products(first, n) issues the tile
-// products of rows [first, first + n) into accumulators 0-3, finish(first, n, sums) completes those rows from their
-// stored sums (Sum: int32_t or float, [16][64]). Tile i + 1's products are issued before tile i's finish, so the two
-// units work at once, and a tile's sums are read well after their tile stores (read at once, they waited for them).
+// A call's rows in tiles of 16, the AMX unit one tile ahead of the vector units: products(first, n, after_step)
+// issues the tile products of rows [first, first + n) into accumulators 0-3, calling after_step(step, steps) after
+// each of its k-steps; finish(first, r0, r1, sums) completes rows first + [r0, r1) of the tile at `first` from its
+// stored sums (Sum: int32_t or float, [16][64]). Tile i's rows are finished a few at a time between tile i + 1's
+// k-steps, so the two units work at once: issued after all of a tile's products, the vector work waited behind
+// them in the reorder buffer (a tile product holds its entry for ~20 cycles) and ran after them. A tile's sums are
+// read well after their tile stores (read at once, they waited for them).
 template <typename Sum, class Products, class Finish>
 inline void pipelined_row_tiles(int rows, Products products, Finish finish) {
   alignas(64) Sum sums[2][kTileRows * 64];
   const int tiles = (rows + kTileRows - 1) / kTileRows;
   const auto rows_of = [&](int i) { return rows - kTileRows * i < kTileRows ? rows - kTileRows * i : kTileRows; };
-  products(0, rows_of(0));
+  products(0, rows_of(0), [](int64_t, int64_t) {});
   store_accumulators(sums[0]);
   for (int i = 0; i < tiles; ++i) {
-    if (i + 1 < tiles) products(kTileRows * (i + 1), rows_of(i + 1));
-    finish(kTileRows * i, rows_of(i), sums[i & 1]);
+    const int n = rows_of(i);
+    Sum* done_sums = sums[i & 1];
+    int done = 0;
+    if (i + 1 < tiles)
+      products(kTileRows * (i + 1), rows_of(i + 1), [&](int64_t step, int64_t steps) {
+        const int upto = int(n * (step + 1) / steps);
+        if (upto > done) finish(kTileRows * i, done, upto, done_sums);
+        done = upto > done ? upto : done;
+      });
+    if (done < n) finish(kTileRows * i, done, n, done_sums);
     if (i + 1 < tiles) store_accumulators(sums[(i + 1) & 1]);
   }
 }

@@ -33,16 +33,19 @@ constexpr int64_t kPairBytes = kBlockCols * 2 * 2;  // a k-pair of a block: 64 c
 // of 16: one A tile against the four B tiles of a k-step, so each k-step reads whole 256-byte rows of the block (a
 // 32-row group, two A tiles against two B tiles a half of the block at a time, ran 10% slower at M = 512 and 2048:
 // it read the block in two strided passes). stream: the call's first row group, which reads the block from memory.
-void sum_tiles(const char* a, int64_t a_stride, const char* b, int64_t pairs, bool stream) {
+// after_step(step, steps): amx::pipelined_row_tiles' hook, called after each k-step.
+template <class AfterStep>
+void sum_tiles(const char* a, int64_t a_stride, const char* b, int64_t pairs, bool stream, AfterStep after_step) {
   amx::zero_accumulators();
   for (int64_t p = 0; p < pairs; p += kTilePairs) {
     if (stream) amx::prefetch_ahead(b + p * kPairBytes, kTilePairs * kPairBytes);
     CPUMOE_AMX_K_STEP(_tile_dpbf16ps, a + p * 4, a_stride, b + p * kPairBytes);
+    after_step(p / kTilePairs, pairs / kTilePairs);
   }
 }
 
 void tile_products(const char* a, int64_t a_stride, const char* b, int64_t pairs, float* c, bool stream) {
-  sum_tiles(a, a_stride, b, pairs, stream);
+  sum_tiles(a, a_stride, b, pairs, stream, [](int64_t, int64_t) {});
   amx::store_accumulators(c);
 }
 
@@ -102,16 +105,16 @@ void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows, const float* c
     const int64_t pairs = t.k / 2, whole = pairs / kTilePairs * kTilePairs;
     amx::pipelined_row_tiles<float>(
         t.rows,
-        [&](int first, int n) {
+        [&](int first, int n, auto after_step) {
           int64_t stride;
           const char* a = amx::tile_rows(t.a_rows + first, n, t.k * 2, &stride);
-          sum_tiles(a, stride, b, whole, /*stream=*/first == 0);
+          sum_tiles(a, stride, b, whole, /*stream=*/first == 0, after_step);
         },
-        [&](int first, int n, float* c) {
+        [&](int first, int r0, int r1, float* c) {
           if (whole < pairs)  // from the rows themselves: the copy tile_rows made may hold the next tile's by now
-            for (int r = 0; r < n; ++r)
+            for (int r = r0; r < r1; ++r)
               tail_pairs(static_cast<const char*>(t.a_rows[first + r]), 0, b, whole, pairs, 1, c + r * 64);
-          for (int r = 0; r < n; ++r) epilogue(first + r, c + r * 64);
+          for (int r = r0; r < r1; ++r) epilogue(first + r, c + r * 64);
         });
   }
   _tile_release();

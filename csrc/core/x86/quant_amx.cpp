@@ -46,21 +46,23 @@ struct AmxInt8Rows {
 
   explicit AmxInt8Rows(const GemmTile& t) : t(t), b(static_cast<const uint8_t*>(t.b)), whole(t.k / kStepK * kStepK) {}
 
-  void products(int first, int n) const {
+  template <class AfterStep>
+  void products(int first, int n, AfterStep after_step) const {
     int64_t stride;
     const uint8_t* a = reinterpret_cast<const uint8_t*>(amx::tile_rows(t.a_rows + first, n, t.k, &stride));
     amx::zero_accumulators();
     for (int64_t k = 0; k < whole; k += kStepK) {
       if (first == 0) amx::prefetch_ahead(b + (k / 4) * kQuadBytes, 16 * kQuadBytes);
       CPUMOE_AMX_K_STEP(_tile_dpbusd, a + k, stride, b + (k / 4) * kQuadBytes);
+      after_step(k / kStepK, whole / kStepK);
     }
   }
 
-  // Rows [first, first + n) from their tile's stored sums: the quads past the last whole k-step, quant_avx512vnni's
+  // Rows first + [r0, r1) from their tile's stored sums: the quads past the last whole k-step, quant_avx512vnni's
   // Int8Dot rescale operation for operation, then the epilogue.
   template <bool W13>
-  void finish(int first, int n, int32_t* acc) const {
-    for (int r = 0; r < n; ++r) {  // Kp is a multiple of 32, not of 64
+  void finish(int first, int r0, int r1, int32_t* acc) const {
+    for (int r = r0; r < r1; ++r) {  // Kp is a multiple of 32, not of 64
       const int32_t* ar = static_cast<const int32_t*>(t.a_rows[first + r]);
       for (int64_t q = whole / 4; q < t.k / 4; ++q) {
         const __m512i x = _mm512_set1_epi32(ar[q]);
@@ -78,7 +80,7 @@ struct AmxInt8Rows {
       sw[c] = _mm512_loadu_ps(scale + 16 * c);
       offset[c] = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16 * c), 7);  // 128 * colsum
     }
-    for (int r = 0; r < n; ++r) {
+    for (int r = r0; r < r1; ++r) {
       const __m512 sa = _mm512_set1_ps(qx86::a8_scale(t.a_rows[first + r], t.k));
       simd::f32x16 y[4];
       for (int c = 0; c < 4; ++c) {
@@ -94,8 +96,8 @@ struct AmxInt8Rows {
   template <bool W13>
   void run() const {
     amx::pipelined_row_tiles<int32_t>(
-        t.rows, [&](int first, int n) { products(first, n); },
-        [&](int first, int n, int32_t* acc) { finish<W13>(first, n, acc); });
+        t.rows, [&](int first, int n, auto after_step) { products(first, n, after_step); },
+        [&](int first, int r0, int r1, int32_t* acc) { finish<W13>(first, r0, r1, acc); });
   }
 };
 
