@@ -105,8 +105,10 @@ inline void pipelined_row_tiles(int rows, Products products, Finish finish) {
     if (i + 1 < tiles)
       products(kTileRows * (i + 1), rows_of(i + 1), [&](int64_t step, int64_t steps) {
         const int upto = int(n * (step + 1) / steps);
-        if (upto > done) finish(kTileRows * i, done, upto, done_sums);
-        done = upto > done ? upto : done;
+        if (upto > done) {
+          finish(kTileRows * i, done, upto, done_sums);
+          done = upto;
+        }
       });
     if (done < n) finish(kTileRows * i, done, n, done_sums);
     if (i + 1 < tiles) store_accumulators(sums[(i + 1) & 1]);
