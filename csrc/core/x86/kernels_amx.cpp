@@ -65,17 +65,33 @@ void tail_pairs(const char* a, int64_t a_stride, const char* b, int64_t from, in
 }
 
 // c[16][64] for rows [first, first + n) of the call (n <= 16; rows past n are zeros and their sums unused) over a
-// widened fp8 block: chunk_scales, its float32 scales [ceil(k / t.group)][64] (t.group a multiple of 32); each
+// widened fp8 block (t.b): chunk_scales, its float32 scales [ceil(k / t.group)][64] (t.group a multiple of 32); each
 // chunk of t.group k sums on its own and adds scale * sum, as the AVX-512 BF16 unit's chunked tiles do.
-void chunked_group(const GemmTile& t, int first, int n, float* c, const float* chunk_scales) {
+// codes: the fp8 block itself, which the call's first row tile widens into t.b as it goes, chunk ci + 1 during
+// chunk ci's k-steps, so that the vector units read the codes from memory while the AMX unit sums. Widened in a
+// pass of its own before the tiles, the block's read from memory left the AMX unit idle: 20% of fp8's samples at
+// M = 2048.
+void chunked_group(const GemmTile& t, int first, int n, float* c, const float* chunk_scales, const GemmTile& codes) {
   int64_t stride;
   const char* a = amx::tile_rows(t.a_rows + first, n, t.k * 2, &stride);
   const char* b = static_cast<const char*>(t.b);
+  uint8_t* widened = static_cast<uint8_t*>(const_cast<void*>(t.b));
+  const int64_t chunks = (t.k + t.group - 1) / t.group;
+  const auto end_of = [&](int64_t ci) { return std::min((ci + 1) * t.group, t.k) / 2; };  // k-pairs
+  if (first == 0) avx512bf16_widen_fp8_pairs(codes, 0, end_of(0), widened);
   alignas(64) float chunk[kTileRows * 64];
   for (int i = 0; i < n * 64; i += 16) _mm512_store_ps(c + i, _mm512_setzero_ps());
-  for (int64_t k0 = 0, ci = 0; k0 < t.k; k0 += t.group, ++ci) {
-    const int64_t p0 = k0 / 2, p1 = std::min(k0 + t.group, t.k) / 2;
-    tile_products(a + p0 * 4, stride, b + p0 * kPairBytes, p1 - p0, chunk, /*stream=*/false);
+  for (int64_t ci = 0; ci < chunks; ++ci) {
+    const int64_t p0 = ci * t.group / 2, p1 = end_of(ci);
+    const int64_t next_end = ci + 1 < chunks ? end_of(ci + 1) : p1;
+    int64_t widened_to = p1;
+    sum_tiles(a + p0 * 4, stride, b + p0 * kPairBytes, p1 - p0, /*stream=*/false, [&](int64_t step, int64_t steps) {
+      if (first != 0) return;
+      const int64_t upto = p1 + (next_end - p1) * (step + 1) / steps;
+      avx512bf16_widen_fp8_pairs(codes, widened_to, upto, widened);
+      widened_to = upto;
+    });
+    amx::store_accumulators(chunk);
     for (int r = 0; r < n; ++r)
       for (int q = 0; q < 4; ++q) {
         float* cr = c + r * 64 + 16 * q;
@@ -87,15 +103,17 @@ void chunked_group(const GemmTile& t, int first, int n, float* c, const float* c
 
 // Runs the call's rows in AMX tiles of 16, the last one padded with zero rows; a call of fewer than kMinRows rows goes
 // to `fewer_rows` instead (the AVX-512 BF16 tiles). epilogue(r, c_row) finishes row r from its 64 float32 sums.
+// fp8_codes: t.b is the scratch block it is widened into (its scales written), chunk by chunk (chunked_group).
 template <typename Epilogue>
-void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows, const float* chunk_scales = nullptr) {
+void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows, const GemmTile* fp8_codes = nullptr) {
   if (t.rows < kMinRows && fewer_rows) return fewer_rows(t);
   amx::configure_tiles();
-  if (chunk_scales) {
+  if (fp8_codes) {
+    const float* chunk_scales = reinterpret_cast<const float*>(static_cast<const char*>(t.b) + 128 * t.k);
     alignas(64) float c[kTileRows * 64];
     for (int done = 0; done < t.rows;) {
       const int n = std::min(t.rows - done, kTileRows);
-      chunked_group(t, done, n, c, chunk_scales);
+      chunked_group(t, done, n, c, chunk_scales, *fp8_codes);
       for (int r = 0; r < n; ++r) epilogue(done + r, c + r * 64);
       done += n;
     }
@@ -137,17 +155,21 @@ void amx_w2_tile(const GemmTile& t) {
 
 }  // namespace
 
-void amx_fp8_widened_w13_tile(const GemmTile& t) {
-  run(t, [&](int r, const float* c) {
-        simd::w13_epilogue<DType::kBFloat16>(t, r, sums(c, 0), sums(c, 1), sums(c, 2), sums(c, 3));
-      }, nullptr, reinterpret_cast<const float*>(static_cast<const char*>(t.b) + 128 * t.k));
+void amx_fp8_w13_tile(const GemmTile& t) {
+  GemmTile wide = t;
+  wide.b = avx512bf16_fp8_widened_block(t);
+  run(wide, [&](int r, const float* c) {
+        simd::w13_epilogue<DType::kBFloat16>(wide, r, sums(c, 0), sums(c, 1), sums(c, 2), sums(c, 3));
+      }, nullptr, &t);
 }
 
-void amx_fp8_widened_w2_tile(const GemmTile& t) {
-  run(t, [&](int r, const float* c) {
+void amx_fp8_w2_tile(const GemmTile& t) {
+  GemmTile wide = t;
+  wide.b = avx512bf16_fp8_widened_block(t);
+  run(wide, [&](int r, const float* c) {
         const simd::f32x16 v[4] = {sums(c, 0), sums(c, 1), sums(c, 2), sums(c, 3)};
-        simd::w2_epilogue(t, r, v);
-      }, nullptr, reinterpret_cast<const float*>(static_cast<const char*>(t.b) + 128 * t.k));
+        simd::w2_epilogue(wide, r, v);
+      }, nullptr, &t);
 }
 
 void amx_scaled_w13_tile(const GemmTile& t, const float* row_scales) {

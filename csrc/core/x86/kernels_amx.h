@@ -5,10 +5,11 @@
 
 namespace cpumoe {
 
-// Over a widened fp8 block ([Kp/2][64][2] bf16, then float32 scales [ceil(Kp / g)][64]; t.group = g, a multiple of
-// 32): the chunked sums of the AVX-512 BF16 unit's fp8 tiles on AMX tiles. Any number of rows; bf16 out for w13.
-void amx_fp8_widened_w13_tile(const GemmTile& t);
-void amx_fp8_widened_w2_tile(const GemmTile& t);
+// Over an fp8_w8a16 block (t.group = g, a multiple of 32), widened by the AVX-512 BF16 unit into this thread's
+// scratch as the tiles go (avx512bf16_fp8_widened_block, avx512bf16_widen_fp8_pairs): the chunked sums of that unit's
+// fp8 tiles on AMX tiles. Any number of rows; bf16 out for w13.
+void amx_fp8_w13_tile(const GemmTile& t);
+void amx_fp8_w2_tile(const GemmTile& t);
 
 // Over a bf16 block in the kPairs order ([Kp/2][64][2] bf16, no metadata) and bf16 activation rows: plain tile sums,
 // row r's times row_scales[r] before the epilogue (A8 codes summed as bf16 times their row's scale). Any number of

@@ -287,9 +287,7 @@ template <bool W13>
 void fp8_tile(const GemmTile& t) {
   const QuantKernel* avx512 = quant_x86_avx512bf16(QuantFormat::kFp8W8A16);
   if (t.rows < kMinRows || t.group % 32 != 0) return W13 ? avx512->w13_tile(t) : avx512->w2_tile(t);
-  GemmTile wide = t;
-  wide.b = avx512bf16_widen_fp8(t);
-  W13 ? amx_fp8_widened_w13_tile(wide) : amx_fp8_widened_w2_tile(wide);
+  W13 ? amx_fp8_w13_tile(t) : amx_fp8_w2_tile(t);
 }
 
 // mxfp4_w4a16's prefill on the bf16 tiles: a call widens its block once to bf16 values, kE2m1[q] x 2^(e - 127)
