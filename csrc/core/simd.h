@@ -5,6 +5,9 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "kernels.h"
 #include "types.h"
@@ -149,6 +152,16 @@ static inline void w13_epilogue(const GemmTile& t, int r, f32x16 g0, f32x16 g1, 
 static inline void w2_epilogue(const GemmTile& t, int r, const f32x16 (&acc)[4]) {
   float* out = static_cast<float*>(t.out) + r * t.out_stride;
   float scale = t.row_scale ? t.row_scale[r] : 1.0f;
+#if defined(__AVX512F__)
+  if (t.stream_out && t.out_cols == 64) {  // whole lines (out is 64-byte aligned then): past the caches
+    for (int c = 0; c < 4; ++c) {
+      f32x16 v = acc[c];
+      if (t.bias) v += load_f32(t.bias + 16 * c);
+      _mm512_stream_ps(out + 16 * c, (__m512)(v * scale));
+    }
+    return;
+  }
+#endif
   for (int c = 0; c < 4; ++c) {
     f32x16 v = acc[c];
     if (t.bias) v += load_f32(t.bias + 16 * c);

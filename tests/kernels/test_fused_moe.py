@@ -21,6 +21,7 @@ SHAPES = [
     MoECase(M=39, H=2048, I=768, E=8, k=2),   # real qwen3 per-expert shapes
     MoECase(M=150, H=200, I=72, E=4, k=2),    # ~75 scattered rows an expert: whole tiles of 32 and 16 rows and a
                                               # rest, K past its last whole 32 (x86-amx's paths)
+    MoECase(M=512, H=520, I=64, E=16, k=8),   # w2 outputs past 8 MB: written past the caches, a narrow last block
 ]
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh", "swigluoai"]
 

@@ -89,6 +89,7 @@ SHAPES = [
     MoECase(M=300, H=128, I=96, E=32, k=4),   # prefill-sized tiles
     MoECase(M=5, H=63, I=17, E=3, k=1),       # odd sizes
     MoECase(M=9, H=2048, I=768, E=4, k=2),    # real qwen3 per-expert shapes
+    MoECase(M=512, H=520, I=64, E=16, k=8),   # w2 outputs past 8 MB: written past the caches, a narrow last block
 ]
 
 
