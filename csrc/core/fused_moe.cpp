@@ -22,12 +22,14 @@ namespace {
 // mean less weight traffic; an expert with more rows is split into equal chunks so threads stay balanced.
 constexpr int64_t kMaxRowChunk = 256;
 
-// From this size the w2 outputs (ys, one float32 row per token and slot) are written with non-temporal stores,
-// GemmTile::stream_out: ys goes to memory and is read back once by the combine, so caching it on the way out costs a
-// read for ownership of every line and evicts the weight block and activation rows. qwen3-30b-a3b's layer on AMX,
-// the two ways alternated in one process: M = 2048 (ys 134 MB) int8 0.89x the time and bf16 0.94x, M = 512 0.97x,
-// M = 128 (8 MB) 0.99x, M = 32 (2 MB, within the L2 caches) 1.0x.
-constexpr int64_t kStreamYsBytes = int64_t(8) << 20;
+// From this size a pass's outputs that the next pass reads once go to memory with non-temporal stores
+// (GemmTile::stream_out): caching them on the way out costs a read for ownership of every line and evicts the
+// weight block and the activation rows. qwen3-30b-a3b's layer on AMX, the two ways alternated in one process:
+// - w2's outputs (ys, a float32 row per token and slot, read by the combine): M = 2048 (134 MB) int8 0.89x the
+//   time, bf16 0.94x; M = 512 0.97x; M = 128 (8 MB) 0.99x; M = 32 (2 MB, within the L2 caches) 1.0x.
+// - w13's float32 rows of the A8 formats (read by their quantization): M = 2048 (50 MB) int8 0.96-0.99x, int4
+//   0.96x; M = 512 1.0x. bf16's rows, which w2's tiles read again and again, gained nothing (1.0x) and stay cached.
+constexpr int64_t kStreamBytes = int64_t(8) << 20;
 
 // Orders this thread's non-temporal stores before what follows (the combine may run on another thread).
 inline void store_fence() {
@@ -251,6 +253,7 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
   const float* w2_scale = a.apply_router_weight_on_input ? nullptr : row_scale;
 
   // 3. w13 with the activation fused: inter[r][Ip].
+  const bool stream_inter = geo.int8_rows && bytes_inter >= kStreamBytes;
   std::vector<Item> items13 = make_items(offsets, geo.blocks13, geo.max_rows);
   parallel_items(parallel, int64_t(items13.size()), [&](int64_t i) {
     const Item& it = items13[i];
@@ -267,7 +270,9 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
     t.act = a.act;
     t.group = a.group13;
     t.symmetric = a.symmetric13;
+    t.stream_out = stream_inter;
     w13_tile(t);
+    if (stream_inter) store_fence();
   });
 
   // 3b. A8: quantize each intermediate row per (token, slot), as the reference does.
@@ -278,7 +283,7 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
     });
 
   // 4. w2, scaled by the router weight: ys[r][Hp] float32.
-  const bool stream_ys = bytes_y >= kStreamYsBytes;
+  const bool stream_ys = bytes_y >= kStreamBytes;
   std::vector<Item> items2 = make_items(offsets, geo.blocks2, geo.max_rows);
   parallel_items(parallel, int64_t(items2.size()), [&](int64_t i) {
     const Item& it = items2[i];

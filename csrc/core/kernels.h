@@ -20,8 +20,8 @@ struct GemmTile {
   Activation act;             // w13 only
   int64_t group;              // quantized formats: the format's group size g (quant.h); else unused
   bool symmetric;             // int4_w4a16: blocks without zero points (quant.h); else unused
-  bool stream_out;            // w2: may write whole 64-column rows past the caches (non-temporal stores; the
-                              // caller fences); out is then 64-byte aligned
+  bool stream_out;            // may write its rows past the caches (non-temporal stores, the caller fences); out
+                              // and its rows are then 64-byte aligned
 };
 
 // Decode attention over a paged KV cache (attention.h drives it): one query token per sequence, the g = nh /

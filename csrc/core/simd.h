@@ -146,6 +146,16 @@ static inline void w13_epilogue(const GemmTile& t, int r, f32x16 g0, f32x16 g1, 
     u1 += load_f32(t.bias + 48);
   }
   char* out = static_cast<char*>(t.out) + r * t.out_stride * int64_t(dtype_size(D));
+#if defined(__AVX512F__)
+  if (t.stream_out) {  // whole lines: past the caches
+    alignas(64) char line[128];
+    store<D>(line, activate(t.act, g0, u0));
+    store<D>(line + 16 * dtype_size(D), activate(t.act, g1, u1));
+    for (int i = 0; i < 32 * dtype_size(D); i += 64)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), _mm512_load_si512(line + i));
+    return;
+  }
+#endif
   store<D>(out, activate(t.act, g0, u0));
   store<D>(out + 16 * dtype_size(D), activate(t.act, g1, u1));
 }

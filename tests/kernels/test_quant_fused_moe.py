@@ -122,6 +122,14 @@ def test_skewed_routing_and_expert_map(backend, fmt, group, sym, dtype):
     check(backend, fmt, group, sym, dtype, local, f"{backend} {fmt} expert_map", expert_map=expert_map, num_experts=8)
 
 
+@pytest.mark.parametrize("backend,fmt,group,sym,dtype",
+                         [p for p in grid(dtypes=(torch.bfloat16,)) if QuantFormat(p.values[1]).int8_activations])
+def test_intermediate_past_the_caches(backend, fmt, group, sym, dtype):
+    # 2048 slot rows x I = 1024 float32 intermediates: 8 MB, which w13 writes past the caches for the A8 formats.
+    case = MoECase(M=256, H=128, I=1024, E=8, k=8)
+    check(backend, fmt, group, sym, dtype, make_problem(case, dtype), f"{backend} {fmt} 8 MB intermediate")
+
+
 @pytest.mark.parametrize("backend,fmt,group,sym,dtype", grid(dtypes=(torch.bfloat16,)))
 def test_router_weight_on_input(backend, fmt, group, sym, dtype):
     case = MoECase(M=11, H=256, I=128, E=4, k=1)
