@@ -253,7 +253,7 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
   const float* w2_scale = a.apply_router_weight_on_input ? nullptr : row_scale;
 
   // 3. w13 with the activation fused: inter[r][Ip].
-  const bool stream_inter = geo.int8_rows && bytes_inter >= kStreamBytes;
+  const bool stream_inter = geo.int8_rows && bytes_inter >= kStreamBytes && Ip * inter_es % 64 == 0;
   std::vector<Item> items13 = make_items(offsets, geo.blocks13, geo.max_rows);
   parallel_items(parallel, int64_t(items13.size()), [&](int64_t i) {
     const Item& it = items13[i];

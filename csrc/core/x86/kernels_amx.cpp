@@ -75,7 +75,7 @@ void chunked_group(const GemmTile& t, int first, int n, float* c, const float* c
   int64_t stride;
   const char* a = amx::tile_rows(t.a_rows + first, n, t.k * 2, &stride);
   const char* b = static_cast<const char*>(t.b);
-  uint8_t* widened = static_cast<uint8_t*>(const_cast<void*>(t.b));
+  uint8_t* widened = static_cast<uint8_t*>(const_cast<void*>(t.b));  // this thread's scratch
   const int64_t chunks = (t.k + t.group - 1) / t.group;
   const auto end_of = [&](int64_t ci) { return std::min((ci + 1) * t.group, t.k) / 2; };  // k-pairs
   if (first == 0) avx512bf16_widen_fp8_pairs(codes, 0, end_of(0), widened);
