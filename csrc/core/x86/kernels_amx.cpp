@@ -66,19 +66,17 @@ void tail_pairs(const char* a, int64_t a_stride, const char* b, int64_t from, in
 
 // c[16][64] for rows [first, first + n) of the call (n <= 16; rows past n are zeros and their sums unused) over a
 // widened fp8 block (t.b): chunk_scales, its float32 scales [ceil(k / t.group)][64] (t.group a multiple of 32); each
-// chunk of t.group k sums on its own and adds scale * sum, as the AVX-512 BF16 unit's chunked tiles do.
-// codes: the fp8 block itself, which the call's first row tile widens into t.b as it goes, chunk ci + 1 during
-// chunk ci's k-steps, so that the vector units read the codes from memory while the AMX unit sums. Widened in a
-// pass of its own before the tiles, the block's read from memory left the AMX unit idle: 20% of fp8's samples at
-// M = 2048.
-void chunked_group(const GemmTile& t, int first, int n, float* c, const float* chunk_scales, const GemmTile& codes) {
+// chunk of t.group k sums on its own and adds scale * sum, as the AVX-512 BF16 unit's chunked tiles do. The call's
+// first row tile widens the block as it goes (BlockWidening), chunk ci + 1 during chunk ci's k-steps: fp8's
+// widening read the block from memory with the AMX unit idle, 20% of its samples at M = 2048.
+void chunked_group(const GemmTile& t, int first, int n, float* c, const float* chunk_scales,
+                   const BlockWidening& widening) {
   int64_t stride;
   const char* a = amx::tile_rows(t.a_rows + first, n, t.k * 2, &stride);
   const char* b = static_cast<const char*>(t.b);
-  uint8_t* widened = static_cast<uint8_t*>(const_cast<void*>(t.b));  // this thread's scratch
   const int64_t chunks = (t.k + t.group - 1) / t.group;
   const auto end_of = [&](int64_t ci) { return std::min((ci + 1) * t.group, t.k) / 2; };  // k-pairs
-  if (first == 0) avx512bf16_widen_fp8_pairs(codes, 0, end_of(0), widened);
+  if (first == 0) widening.widen(widening.context, 0, end_of(0));
   alignas(64) float chunk[kTileRows * 64];
   for (int i = 0; i < n * 64; i += 16) _mm512_store_ps(c + i, _mm512_setzero_ps());
   for (int64_t ci = 0; ci < chunks; ++ci) {
@@ -87,9 +85,10 @@ void chunked_group(const GemmTile& t, int first, int n, float* c, const float* c
     int64_t widened_to = p1;
     sum_tiles(a + p0 * 4, stride, b + p0 * kPairBytes, p1 - p0, /*stream=*/false, [&](int64_t step, int64_t steps) {
       if (first != 0) return;
-      const int64_t upto = p1 + (next_end - p1) * (step + 1) / steps;
-      avx512bf16_widen_fp8_pairs(codes, widened_to, upto, widened);
-      widened_to = upto;
+      const int64_t upto =
+          step + 1 == steps ? next_end : p1 + (next_end - p1) * (step + 1) / steps / kTilePairs * kTilePairs;
+      if (upto > widened_to) widening.widen(widening.context, widened_to, upto);
+      widened_to = std::max(widened_to, upto);
     });
     amx::store_accumulators(chunk);
     for (int r = 0; r < n; ++r)
@@ -103,17 +102,18 @@ void chunked_group(const GemmTile& t, int first, int n, float* c, const float* c
 
 // Runs the call's rows in AMX tiles of 16, the last one padded with zero rows; a call of fewer than kMinRows rows goes
 // to `fewer_rows` instead (the AVX-512 BF16 tiles). epilogue(r, c_row) finishes row r from its 64 float32 sums.
-// fp8_codes: t.b is the scratch block it is widened into (its scales written), chunk by chunk (chunked_group).
+// widening: the first row tile widens t.b as it goes (BlockWidening); chunk_scales: fp8's chunked sums
+// (chunked_group), which come with a widening.
 template <typename Epilogue>
-void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows, const GemmTile* fp8_codes = nullptr) {
+void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows, const BlockWidening* widening = nullptr,
+         const float* chunk_scales = nullptr) {
   if (t.rows < kMinRows && fewer_rows) return fewer_rows(t);
   amx::configure_tiles();
-  if (fp8_codes) {
-    const float* chunk_scales = reinterpret_cast<const float*>(static_cast<const char*>(t.b) + 128 * t.k);
+  if (chunk_scales) {
     alignas(64) float c[kTileRows * 64];
     for (int done = 0; done < t.rows;) {
       const int n = std::min(t.rows - done, kTileRows);
-      chunked_group(t, done, n, c, chunk_scales, *fp8_codes);
+      chunked_group(t, done, n, c, chunk_scales, *widening);
       for (int r = 0; r < n; ++r) epilogue(done + r, c + r * 64);
       done += n;
     }
@@ -126,7 +126,19 @@ void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows, const GemmTile
         [&](int first, int n, auto after_step) {
           int64_t stride;
           const char* a = amx::tile_rows(t.a_rows + first, n, t.k * 2, &stride);
-          sum_tiles(a, stride, b, whole, /*stream=*/first == 0, after_step);
+          if (first != 0 || !widening) return sum_tiles(a, stride, b, whole, /*stream=*/first == 0, after_step);
+          // Two k-steps ahead of the tile products; the block is in this thread's scratch, not streamed.
+          const auto widen = [&](int64_t step) {
+            if (step * kTilePairs < whole)
+              widening->widen(widening->context, step * kTilePairs, std::min(whole, (step + 1) * kTilePairs));
+          };
+          widen(0);
+          widen(1);
+          sum_tiles(a, stride, b, whole, /*stream=*/false, [&](int64_t step, int64_t steps) {
+            widen(step + 2);
+            after_step(step, steps);
+          });
+          if (whole < pairs) widening->widen(widening->context, whole, pairs);
         },
         [&](int first, int r0, int r1, float* c) {
           if (whole < pairs)  // from the rows themselves: the copy tile_rows made may hold the next tile's by now
@@ -155,40 +167,59 @@ void amx_w2_tile(const GemmTile& t) {
 
 }  // namespace
 
-void amx_fp8_w13_tile(const GemmTile& t) {
+namespace {
+
+// fp8's block, widened by the AVX-512 BF16 unit into its scratch block as the tiles go.
+struct Fp8Widening {
+  const GemmTile& codes;
+  uint8_t* block;
+  static void widen(const void* self, int64_t begin, int64_t end) {
+    const auto* w = static_cast<const Fp8Widening*>(self);
+    avx512bf16_widen_fp8_pairs(w->codes, begin, end, w->block);
+  }
+};
+
+template <bool W13>
+void fp8_tile(const GemmTile& t) {
   GemmTile wide = t;
-  wide.b = avx512bf16_fp8_widened_block(t);
-  run(wide, [&](int r, const float* c) {
-        simd::w13_epilogue<DType::kBFloat16>(wide, r, sums(c, 0), sums(c, 1), sums(c, 2), sums(c, 3));
-      }, nullptr, &t);
+  uint8_t* block = avx512bf16_fp8_widened_block(t);
+  wide.b = block;
+  const Fp8Widening context{t, block};
+  const BlockWidening widening{Fp8Widening::widen, &context};
+  const float* chunk_scales = reinterpret_cast<const float*>(block + 128 * t.k);
+  if constexpr (W13)
+    run(wide, [&](int r, const float* c) {
+          simd::w13_epilogue<DType::kBFloat16>(wide, r, sums(c, 0), sums(c, 1), sums(c, 2), sums(c, 3));
+        }, nullptr, &widening, chunk_scales);
+  else
+    run(wide, [&](int r, const float* c) {
+          const simd::f32x16 v[4] = {sums(c, 0), sums(c, 1), sums(c, 2), sums(c, 3)};
+          simd::w2_epilogue(wide, r, v);
+        }, nullptr, &widening, chunk_scales);
 }
 
-void amx_fp8_w2_tile(const GemmTile& t) {
-  GemmTile wide = t;
-  wide.b = avx512bf16_fp8_widened_block(t);
-  run(wide, [&](int r, const float* c) {
-        const simd::f32x16 v[4] = {sums(c, 0), sums(c, 1), sums(c, 2), sums(c, 3)};
-        simd::w2_epilogue(wide, r, v);
-      }, nullptr, &t);
-}
+}  // namespace
 
-void amx_scaled_w13_tile(const GemmTile& t, const float* row_scales) {
+void amx_fp8_w13_tile(const GemmTile& t) { fp8_tile<true>(t); }
+void amx_fp8_w2_tile(const GemmTile& t) { fp8_tile<false>(t); }
+
+void amx_scaled_w13_tile(const GemmTile& t, const float* row_scales, const BlockWidening* widening) {
   run(t, [&](int r, const float* c) {
         const __m512 s = _mm512_set1_ps(row_scales[r]);
         simd::f32x16 v[4];
         for (int q = 0; q < 4; ++q) v[q] = (simd::f32x16)_mm512_mul_ps(_mm512_load_ps(c + 16 * q), s);
         if (t.dtype == DType::kFloat32) simd::w13_epilogue<DType::kFloat32>(t, r, v[0], v[1], v[2], v[3]);
         else simd::w13_epilogue<DType::kBFloat16>(t, r, v[0], v[1], v[2], v[3]);
-      }, nullptr);
+      }, nullptr, widening);
 }
 
-void amx_scaled_w2_tile(const GemmTile& t, const float* row_scales) {
+void amx_scaled_w2_tile(const GemmTile& t, const float* row_scales, const BlockWidening* widening) {
   run(t, [&](int r, const float* c) {
         const __m512 s = _mm512_set1_ps(row_scales[r]);
         simd::f32x16 v[4];
         for (int q = 0; q < 4; ++q) v[q] = (simd::f32x16)_mm512_mul_ps(_mm512_load_ps(c + 16 * q), s);
         simd::w2_epilogue(t, r, v);
-      }, nullptr);
+      }, nullptr, widening);
 }
 
 const KernelTable& kernels_x86_amx() {

@@ -308,9 +308,9 @@ void int4_tile(const GemmTile& t) {
 }
 
 // fp8_w8a16 from kMinRows rows (its other path, the AVX-512 BF16 unit's, is slower: at M = 128 51.7 ms from 4 rows,
-// 79.5 from 16): the AVX-512 BF16 unit widens the block to bf16 once, as its own prefill does, and
-// x86-amx's tiles take it (chunk by chunk of g k, each rescaled in float32). A g that is not a multiple of 32 (an
-// AMX k-step) stays on the AVX-512 BF16 unit.
+// 79.5 from 16): the AVX-512 BF16 unit widens the block to bf16 (as its own prefill does) while the first row tile
+// runs, and x86-amx's tiles take it (chunk by chunk of g k, each rescaled in float32). A g that is not a multiple
+// of 32 (an AMX k-step) stays on the AVX-512 BF16 unit.
 template <bool W13>
 void fp8_tile(const GemmTile& t) {
   const QuantKernel* avx512 = quant_x86_avx512bf16(QuantFormat::kFp8W8A16);
@@ -318,10 +318,11 @@ void fp8_tile(const GemmTile& t) {
   W13 ? amx_fp8_w13_tile(t) : amx_fp8_w2_tile(t);
 }
 
-// mxfp4_w4a16's prefill on the bf16 tiles: a call widens its block once to bf16 values, kE2m1[q] x 2^(e - 127)
-// (exact: an e2m1 value has two significant bits, and its power of two goes into the bf16 exponent), in x86-amx's
-// kPairs order, and the rows bring their A8 codes as bf16 too (write_row_bf16_codes); the tiles then sum the same
-// exact products as the W4A8 groups above, in float32, with no per-group rescale: only each row's scale, once.
+// mxfp4_w4a16's prefill on the bf16 tiles: a call's first row tile widens its block to bf16 values as it goes
+// (BlockWidening), kE2m1[q] x 2^(e - 127) (exact: an e2m1 value has two significant bits, and its power of two goes
+// into the bf16 exponent), in x86-amx's kPairs order, and the rows bring their A8 codes as bf16 too
+// (write_row_bf16_codes); the tiles then sum the same exact products as the W4A8 groups above, in float32, with no
+// per-group rescale: only each row's scale, once.
 // The TDPBSSD tiles above stay for blocks whose exponents would leave bf16's normal range (1 or past 252).
 // qwen3-30b-a3b's layer at M = 2048 took 140-143 ms against the TDPBSSD tiles' 192-202 (bf16: 139-145).
 void write_row_bf16_codes(const float* x, int64_t K, int64_t Kp, bool unsigned_activations, uint8_t* dst) {
@@ -348,10 +349,10 @@ bool mxfp4_exps_fit_bf16(const GemmTile& t) {
   return bad == 0;
 }
 
-const void* widen_mxfp4_bf16(const GemmTile& t) {
+// Groups [G0, G1) of the block (32 k each: 16 k-pairs, an AMX k-step) into dst.
+void widen_mxfp4_bf16(const GemmTile& t, int64_t G0, int64_t G1, uint8_t* dst) {
   const uint8_t* b = static_cast<const uint8_t*>(t.b);
   const uint8_t* exps = b + 32 * t.k;
-  uint8_t* dst = qx86::scratch(128 * t.k);
   alignas(64) uint16_t table[32] = {};
   for (int q = 0; q < 16; ++q) {
     uint32_t bits;
@@ -366,7 +367,7 @@ const void* widen_mxfp4_bf16(const GemmTile& t) {
   const __m512i col0 = _mm512_load_si512(column), col1 = _mm512_add_epi16(col0, _mm512_set1_epi16(8));
   const __m512i pick_even = _mm512_load_si512(even), pick_odd = _mm512_add_epi32(pick_even, _mm512_set1_epi32(1));
   const __m512i low4 = _mm512_set1_epi8(0x0F), seven = _mm512_set1_epi16(7);
-  for (int64_t G = 0; G < t.k / kMxfp4Group; ++G)
+  for (int64_t G = G0; G < G1; ++G)
     for (int c = 0; c < 4; ++c) {
       // The 16 columns' exponents, one word each, spread to the 4 words of a column's k-quad; their bf16 exponent
       // offsets (e - 127) << 7, and which columns are live (e > 0: a zero group gives zeros).
@@ -378,6 +379,7 @@ const void* widen_mxfp4_bf16(const GemmTile& t) {
       const __m512i off_lo = _mm512_slli_epi16(_mm512_sub_epi16(e_lo, bias), 7);
       const __m512i off_hi = _mm512_slli_epi16(_mm512_sub_epi16(e_hi, bias), 7);
       for (int64_t s = G * kMxfp4Group / 8; s < (G + 1) * kMxfp4Group / 8; ++s) {
+        _mm_prefetch(reinterpret_cast<const char*>(b) + kWidenAheadBytes + 256 * s + 64 * c, _MM_HINT_T0);
         const __m512i raw = _mm512_loadu_si512(b + 256 * s + 64 * c);
         for (int half = 0; half < 2; ++half) {  // low nibbles: k 8s..8s+3 (pairs 4s, 4s+1); high: the next four
           const __m512i codes = half ? _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4) : _mm512_and_si512(raw, low4);
@@ -394,8 +396,17 @@ const void* widen_mxfp4_bf16(const GemmTile& t) {
         }
       }
     }
-  return dst;
 }
+
+// mxfp4's block, widened into dst as a call's first row tile goes (BlockWidening).
+struct Mxfp4Widening {
+  const GemmTile& t;
+  uint8_t* dst;
+  static void widen(const void* self, int64_t begin, int64_t end) {  // k-pairs, 16 to a group
+    const auto* w = static_cast<const Mxfp4Widening*>(self);
+    widen_mxfp4_bf16(w->t, begin / 16, (end + 15) / 16, w->dst);
+  }
+};
 
 template <bool W13>
 void mxfp4_tile(const GemmTile& t) {
@@ -413,9 +424,13 @@ void mxfp4_tile(const GemmTile& t) {
       scales[r] = qx86::a8_scale(t.a_rows[r], t.k);
     }
     GemmTile wide = t;
-    wide.b = widen_mxfp4_bf16(t);
+    uint8_t* dst = qx86::scratch(128 * t.k);
+    wide.b = dst;
     wide.a_rows = codes.data();
-    return W13 ? amx_scaled_w13_tile(wide, scales.data()) : amx_scaled_w2_tile(wide, scales.data());
+    const Mxfp4Widening context{t, dst};
+    const BlockWidening widening{Mxfp4Widening::widen, &context};
+    return W13 ? amx_scaled_w13_tile(wide, scales.data(), &widening)
+               : amx_scaled_w2_tile(wide, scales.data(), &widening);
   }
   GemmTile wide = t;
   wide.b = widen_mxfp4(t);
