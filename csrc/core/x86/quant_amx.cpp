@@ -101,9 +101,6 @@ struct AmxInt8Rows {
   }
 };
 
-// How far ahead widen_nibbles prefetches the codes into L1 (as fp8's widening, quant_avx512bf16.cpp).
-constexpr int64_t kWidenAheadBytes = 8192;
-
 // The 4-bit codes of a block in int4_w4a16's nibble order (quant.h) as bytes in the int8 quad layout, each 64 of them
 // through map (codes 0..15 in, the bytes to store out): k-octet s's low nibbles become quad 2s, its high ones 2s + 1.
 // k-octets [s0, s1).
@@ -112,7 +109,7 @@ void widen_nibbles(const uint8_t* b, int64_t s0, int64_t s1, uint8_t* dst, Map m
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t s = s0; s < s1; ++s)
     for (int c = 0; c < 4; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(b) + kWidenAheadBytes + 256 * s + 64 * c, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b) + qx86::kWidenAheadBytes + 256 * s + 64 * c, _MM_HINT_T0);
       const __m512i raw = _mm512_loadu_si512(b + 256 * s + 64 * c);
       _mm512_store_si512(dst + 512 * s + 64 * c, map(_mm512_and_si512(raw, low4)));
       _mm512_store_si512(dst + 512 * s + 256 + 64 * c, map(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4)));
@@ -379,7 +376,7 @@ void widen_mxfp4_bf16(const GemmTile& t, int64_t G0, int64_t G1, uint8_t* dst) {
       const __m512i off_lo = _mm512_slli_epi16(_mm512_sub_epi16(e_lo, bias), 7);
       const __m512i off_hi = _mm512_slli_epi16(_mm512_sub_epi16(e_hi, bias), 7);
       for (int64_t s = G * kMxfp4Group / 8; s < (G + 1) * kMxfp4Group / 8; ++s) {
-        _mm_prefetch(reinterpret_cast<const char*>(b) + kWidenAheadBytes + 256 * s + 64 * c, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b) + qx86::kWidenAheadBytes + 256 * s + 64 * c, _MM_HINT_T0);
         const __m512i raw = _mm512_loadu_si512(b + 256 * s + 64 * c);
         for (int half = 0; half < 2; ++half) {  // low nibbles: k 8s..8s+3 (pairs 4s, 4s+1); high: the next four
           const __m512i codes = half ? _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4) : _mm512_and_si512(raw, low4);

@@ -25,10 +25,6 @@ namespace {
 constexpr int kDirectRows = 2;    // register tiles that widen the weights themselves
 constexpr int kScratchRows = 3;   // from this many rows a call dequantizes its block once
 constexpr int kPrefetchBytes = 4096;
-// How far ahead a prefill's widening prefetches the codes into L1. At M = 2048 in qwen3-30b-a3b's layer on AMX
-// (the calls alternated in one process), 8 KB took fp8 0.92x the time of no prefetch; 4 KB the same as 8, 16 KB
-// 1.08x the time of 8 KB.
-constexpr int kWidenAheadBytes = 8192;
 
 // fp8 e4m3 block (quant.h): [Kp/2][64][2] bytes, then f32 scale[ceil(Kp/g)][64], then a bit per k-pair set where
 // its codes hold a zero exponent field.
@@ -167,7 +163,7 @@ uint8_t* avx512bf16_fp8_widened_block(const GemmTile& t) {
 
 void avx512bf16_widen_fp8_pairs(const GemmTile& t, int64_t begin, int64_t end, uint8_t* dst) {
   const Fp8 f(t);
-  const char* ahead = static_cast<const char*>(t.b) + kWidenAheadBytes;
+  const char* ahead = static_cast<const char*>(t.b) + qx86::kWidenAheadBytes;
   const auto pair = [&](int64_t p, auto has_e0) {
     _mm_prefetch(ahead + Fp8::kPairBytes * p, _MM_HINT_T0);
     _mm_prefetch(ahead + Fp8::kPairBytes * p + 64, _MM_HINT_T0);
