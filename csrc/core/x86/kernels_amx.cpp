@@ -44,11 +44,6 @@ void sum_tiles(const char* a, int64_t a_stride, const char* b, int64_t pairs, bo
   }
 }
 
-void tile_products(const char* a, int64_t a_stride, const char* b, int64_t pairs, float* c, bool stream) {
-  sum_tiles(a, a_stride, b, pairs, stream, [](int64_t, int64_t) {});
-  amx::store_accumulators(c);
-}
-
 // The k-pairs past the last whole tile ([from, pairs)), added to c[rows][64] with VDPBF16PS.
 void tail_pairs(const char* a, int64_t a_stride, const char* b, int64_t from, int64_t pairs, int rows, float* c) {
   for (int r = 0; r < rows; ++r) {

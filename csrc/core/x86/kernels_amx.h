@@ -1,5 +1,5 @@
 // x86-amx's tiles that other units call (kernels_amx.cpp): quant_amx.cpp runs fp8 prefill on them, over a block that
-// the AVX-512 BF16 unit has widened (avx512bf16_widen_fp8), and mxfp4 prefill, over a block it widens itself.
+// the AVX-512 BF16 unit widens as the tiles go, and mxfp4 prefill, over a block it widens itself the same way.
 #pragma once
 #include "../kernels.h"
 

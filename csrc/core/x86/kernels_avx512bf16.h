@@ -18,10 +18,9 @@ extern const char* const kAvx512Bf16AttentionScope;  // what it hands to the FMA
 void avx512bf16_store_attention_row(const float* acc, int64_t dv, float inv, const int32_t (&order)[32],
                                     uint16_t* out);
 
-// An fp8_w8a16 block widened once (quant_avx512bf16.cpp): [Kp/2][64][2] bf16 (the codes times 2^-8, unscaled),
-// then its float32 scales [ceil(Kp / g)][64] (the 2^8 folded in), in this thread's scratch.
-const void* avx512bf16_widen_fp8(const GemmTile& t);
-// The same in parts: the block with its scales written and no k-pairs yet, then k-pairs [begin, end) into it.
+// An fp8_w8a16 block widened (quant_avx512bf16.cpp): [Kp/2][64][2] bf16 (the codes times 2^-8, unscaled), then its
+// float32 scales [ceil(Kp / g)][64] (the 2^8 folded in), in this thread's scratch: the block with its scales written
+// and no k-pairs yet, then k-pairs [begin, end) into it.
 uint8_t* avx512bf16_fp8_widened_block(const GemmTile& t);
 void avx512bf16_widen_fp8_pairs(const GemmTile& t, int64_t begin, int64_t end, uint8_t* dst);
 

@@ -177,11 +177,16 @@ void avx512bf16_widen_fp8_pairs(const GemmTile& t, int64_t begin, int64_t end, u
   }
 }
 
-const void* avx512bf16_widen_fp8(const GemmTile& t) {
+namespace {
+
+// The whole block at once, for this unit's own prefill.
+const void* widen_fp8(const GemmTile& t) {
   uint8_t* dst = avx512bf16_fp8_widened_block(t);
   avx512bf16_widen_fp8_pairs(t, 0, t.k / 2, dst);
   return dst;
 }
+
+}  // namespace
 
 namespace {
 
@@ -203,13 +208,13 @@ struct Fp8Tiles {
   static void w13(const GemmTile& t) {
     if (t.rows < kScratchRows) return Direct::w13(t);
     GemmTile wide = t;
-    wide.b = avx512bf16_widen_fp8(t);
+    wide.b = widen_fp8(t);
     Widened::w13(wide);
   }
   static void w2(const GemmTile& t) {
     if (t.rows < kScratchRows) return Direct::w2(t);
     GemmTile wide = t;
-    wide.b = avx512bf16_widen_fp8(t);
+    wide.b = widen_fp8(t);
     Widened::w2(wide);
   }
 };
