@@ -108,6 +108,9 @@ inline const float* int4_zeros(const float* group_scales, bool symmetric) {
   return symmetric ? kInt4SymmetricZeros.z : group_scales + 64;
 }
 
+// An int8_w8a8 block's bytes after its 64 * Kp codes: f32 scale[64], i32 colsum[64].
+inline constexpr int64_t kInt8MetaBytes = 512;
+
 // An fp8_w8a16 block's bytes after its 64 * Kp codes: its scales (k-chunks of g), then its zero-exponent bits.
 inline int64_t fp8_scale_bytes(int64_t Kp, int64_t g) { return 256 * ((Kp + g - 1) / g); }
 inline int64_t fp8_meta_bytes(int64_t Kp, int64_t g) {
@@ -118,7 +121,7 @@ inline int64_t fp8_meta_bytes(int64_t Kp, int64_t g) {
 // k-chunk; ignored by int8 and mxfp4); symmetric: an int4 block without zero points.
 inline int64_t quant_block_bytes(QuantFormat f, int64_t Kp, int64_t g, bool symmetric = false) {
   switch (f) {
-    case QuantFormat::kInt8W8A8: return 64 * Kp + 512;
+    case QuantFormat::kInt8W8A8: return 64 * Kp + kInt8MetaBytes;
     case QuantFormat::kInt4W4A16: return 32 * Kp + 4 * int4_group_floats(symmetric) * (Kp / g);
     case QuantFormat::kFp8W8A16: return 64 * Kp + fp8_meta_bytes(Kp, g);
     default: return 34 * Kp;

@@ -78,7 +78,7 @@ struct Int8Dot {
   static void run(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
     const uint8_t* b = static_cast<const uint8_t*>(t.b);
     const float* scale = reinterpret_cast<const float*>(b + 64 * t.k);
-    const CodeStream stream{b, 64 * t.k, 512};
+    const CodeStream stream{b, 64 * t.k, kInt8MetaBytes};
     const __m256i ones = _mm256_set1_epi16(1);
     const int32_t* a[R];
     for (int r = 0; r < R; ++r) a[r] = static_cast<const int32_t*>(t.a_rows[r]);

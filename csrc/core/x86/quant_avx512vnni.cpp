@@ -65,10 +65,10 @@ struct Int8Dot {
     }
     const int64_t quads = t.k / 4;
     // The scales and column sums the end reads lie past the codes, off the stream (M = 1 and 8: 0.99x, 0.97x).
-    prefetch_lines<R>(b + t.k, 8, 0);
+    prefetch_lines<R>(b + t.k, kInt8MetaBytes / 64, 0);
     for (int64_t q = 0; q < quads; ++q) {
       const __m512i* bq = b + 4 * q;
-      prefetch_codes<R>(static_cast<const uint8_t*>(t.b), 256 * q, 64 * t.k, 512, 4);
+      prefetch_codes<R>(static_cast<const uint8_t*>(t.b), 256 * q, 64 * t.k, kInt8MetaBytes, 4);
       const __m512i w0 = _mm512_loadu_si512(bq), w1 = _mm512_loadu_si512(bq + 1);
       const __m512i w2 = _mm512_loadu_si512(bq + 2), w3 = _mm512_loadu_si512(bq + 3);
       for (int r = 0; r < R; ++r) {
