@@ -75,6 +75,9 @@ def test_bench_model_quantized_checkpoints_side_by_side(tmp_path, capsys):
                  "--output-len", "3", "--quick", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [m["weights_format"] for m in report["models"]] == ["bf16", "int4_w4a16", "fp8_w8a16"]
+    # what of each load the kernel put on huge pages: part of its resident growth (this machine's THP mode
+    # decides how much)
+    assert all(0 <= m["load_huge_pages_gb"] <= max(m["load_rss_gb"], 0) + 0.01 for m in report["models"])
     bf16, q4 = report["models"][0]["weights"], report["models"][1]["weights"]
     assert bf16["expert_elems"] == q4["expert_elems"] and bf16["dense_elems"] == q4["dense_elems"]
     # 4-bit codes plus a float32 scale per 32 weights (symmetric: no zero points): 0.5 + 4/32 = 0.625 bytes a
@@ -90,7 +93,8 @@ def test_bench_model_quantized_checkpoints_side_by_side(tmp_path, capsys):
         # --quick: one prompt of each case prefilled by each checkpoint in turn; its output length - 1 decode steps
         assert c["prefill_pairs"] == 1 and c["decode_pairs"] == 2, c
     assert all(r["prefill_interleaved_ms"] > 0 and r["decode_step_interleaved_ms"] > 0 for r in report["results"])
-    assert "against bf16" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "against bf16" in printed and "huge pages" in printed
     with pytest.raises(SystemExit, match="--compare naive takes one checkpoint"):
         main(["bench", "model", str(src), str(int4), "--compare", "naive", "--batch", "1", "--input-len", "4",
               "--output-len", "2"])
