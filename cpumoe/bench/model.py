@@ -315,41 +315,33 @@ def reset_peak_rss() -> None:
         pass
 
 
-def current_rss_gb() -> float:
-    """Resident memory now (GB)."""
+def proc_gb(path: str, key: str) -> float | None:
+    """A "key: N kB" line of a /proc file of this process, in GB (None where the kernel does not give it)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024 / 1e9
     except OSError:
         pass
-    return 0.0
+    return None
+
+
+def current_rss_gb() -> float:
+    """Resident memory now (GB)."""
+    return proc_gb("/proc/self/status", "VmRSS") or 0.0
 
 
 def huge_pages_gb() -> float:
     """Anonymous memory of this process on transparent huge pages now (GB; 0 where the kernel does not say). Packed
     weights ask for them (csrc/core/memory.cpp), but the kernel gives 4 KB pages where memory is too fragmented."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024 / 1e9
-    except OSError:
-        pass
-    return 0.0
+    return proc_gb("/proc/self/smaps_rollup", "AnonHugePages") or 0.0
 
 
 def peak_rss_gb() -> float:
     """Resident memory high-water mark since the last reset_peak_rss (GB)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / 1e9
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    peak = proc_gb("/proc/self/status", "VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def engine_config(cases: Sequence[ModelCase], block_size: int = 16) -> EngineConfig:
