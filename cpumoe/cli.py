@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from cpumoe.bench.results import add_db_arguments
@@ -115,6 +116,7 @@ def _cmd_info(args) -> int:
     from cpumoe.bench.layer import experts_config
     from cpumoe.bench.machine import cpu_model
     from cpumoe.experts import all_backends, backend_report, choose_backend
+    from cpumoe.memory import huge_page_advice
 
     console = stdout_console()
     console.print(f"[bold]cpumoe[/] {__version__}   torch {torch.__version__}   threads {torch.get_num_threads()} "
@@ -128,6 +130,7 @@ def _cmd_info(args) -> int:
                   f"kernel; candidates here: {', '.join(attention)})")
     if scope := ops.attention_scope(attention[0]):
         console.print(f"  {attention[0]} {scope}")
+    console.print(f"[bold]huge pages[/] the packed weights ask for 2 MB pages; {escape(huge_page_advice())}")
 
     preset, dtype = args.preset, args.dtype
     config = experts_config(preset, dtype)

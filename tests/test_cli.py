@@ -23,6 +23,10 @@ def test_info_names_choice_and_every_backend(capsys):
     from cpumoe import ops
     assert f"decode attention runs on {ops.attention_backends()[0]}" in out
     assert ops.attention_scope(ops.attention_backends()[0]) in " ".join(out.split())  # what it hands on, if anything
+    from cpumoe.memory import huge_page_advice
+    # the kernel's settings (the free memory after them moves from one read to the next)
+    settings = huge_page_advice().split(";")[0]
+    assert f"huge pages the packed weights ask for 2 MB pages; {settings}" in " ".join(out.split())
 
 
 def test_info_fp16_rejects_bf16_only_backends(capsys):

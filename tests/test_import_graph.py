@@ -9,7 +9,7 @@ import cpumoe
 # lower rank: imported by higher ranks only; a package not listed here is a leaf helper anyone may import
 RANK = {
     "_C": 0, "ops": 0, "experts": 0, "layer": 0, "routing": 0, "quant": 0, "reference": 0, "loader": 0, "logs": 0,
-    "torch_gemm": 0,
+    "memory": 0, "torch_gemm": 0,
     "attention": 1,
     "models": 2, "presets": 2,
     "synthetic": 3, "engine": 3,

@@ -41,6 +41,7 @@ from cpumoe.engine import LLMEngine
 from cpumoe.engine.api import SamplingParams
 from cpumoe.engine.config import EngineConfig
 from cpumoe.loader import Checkpoint
+from cpumoe.memory import current_rss_gb, proc_gb
 from cpumoe.models.blocks import MoEBlock
 from cpumoe.models.packed_linear import PackedLinear, QuantizedLinear
 from cpumoe.routing import select_experts
@@ -315,29 +316,6 @@ def reset_peak_rss() -> None:
         pass
 
 
-def proc_gb(path: str, key: str) -> float | None:
-    """A "key: N kB" line of a /proc file of this process, in GB (None where the kernel does not give it)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024 / 1e9
-    except OSError:
-        pass
-    return None
-
-
-def current_rss_gb() -> float:
-    """Resident memory now (GB)."""
-    return proc_gb("/proc/self/status", "VmRSS") or 0.0
-
-
-def huge_pages_gb() -> float:
-    """Anonymous memory of this process on transparent huge pages now (GB; 0 where the kernel does not say). Packed
-    weights ask for them (csrc/core/memory.cpp), but the kernel gives 4 KB pages where memory is too fragmented."""
-    return proc_gb("/proc/self/smaps_rollup", "AnonHugePages") or 0.0
-
-
 def peak_rss_gb() -> float:
     """Resident memory high-water mark since the last reset_peak_rss (GB)."""
     peak = proc_gb("/proc/self/status", "VmHWM")
@@ -465,7 +443,7 @@ def run_formats_bench(model_paths: Sequence, cases: Sequence[ModelCase], *, dtyp
     config = engine_config(cases)
     engines, models = [], []
     for path, invariant in zip(model_paths, batch_invariant or [False] * len(model_paths)):
-        before, huge_before = current_rss_gb(), huge_pages_gb()
+        before = current_rss_gb()
         reset_peak_rss()
         engine = LLMEngine(path, dtype=dtype, config=dataclasses.replace(config, batch_invariant=invariant))
         peak, after = peak_rss_gb(), current_rss_gb()
@@ -474,7 +452,8 @@ def run_formats_bench(model_paths: Sequence, cases: Sequence[ModelCase], *, dtyp
         label = weights_format(engine) + (" invariant" if invariant else "")
         models.append(dict(model=str(path), weights_format=label, experts_backend=experts_backend(engine),
                            checkpoint_gb=Checkpoint(path).weights_bytes / 1e9, load_rss_gb=after - before,
-                           load_peak_over_start_gb=peak - before, load_huge_pages_gb=huge_pages_gb() - huge_before,
+                           load_peak_over_start_gb=peak - before, packed_gb=engine.model.huge_pages.advised_gb,
+                           packed_huge_pages_gb=engine.model.huge_pages.huge_gb,
                            weights=dict(asdict(weights)), dtype=str(engine.dtype).removeprefix("torch.")))
     limits = MachineLimits(probe_bytes=(256 << 20) if quick else (1 << 30),
                            mm_size=QUICK_MM_SIZE if quick else MM_SIZE, dtype=engines[0][0].dtype)
@@ -567,8 +546,8 @@ def format_comparison(results: Sequence[dict], runs: dict[tuple[int, ModelCase],
 def render_formats_report(report: dict, console: Console) -> None:
     console.print(f"CPU {report['cpu']}  threads {report['threads']}  KV cache {report['kv_cache_gb']:.2f} GB each")
     models = Table(title="checkpoints (loaded together; memory is each one's growth while it loads, and its peak "
-                         "over the start of its load; huge pages: the share of the growth on 2 MB pages, which a "
-                         "weight stream reads faster)", title_justify="left")
+                         "over the start of its load; huge pages: the share of its packed weights on 2 MB pages, which "
+                         "a weight stream reads faster)", title_justify="left")
     for name in ("#", "weights", "experts backend", "checkpoint GB", "dense GB", "expert MB", "loaded GB",
                  "x checkpoint", "load peak GB", "peak x ckpt", "huge pages"):
         models.add_column(name, justify="right", no_wrap=True)
@@ -578,7 +557,7 @@ def render_formats_report(report: dict, console: Console) -> None:
                        f"{w['dense'] / 1e9:.2f}", f"{w['expert'] / 1e6:.2f}", f"{m['load_rss_gb']:.2f}",
                        f"{m['load_rss_gb'] / m['checkpoint_gb']:.2f}x", f"{m['load_peak_over_start_gb']:.2f}",
                        f"{m['load_peak_over_start_gb'] / m['checkpoint_gb']:.2f}x",
-                       f"{m['load_huge_pages_gb'] / m['load_rss_gb']:.0%}" if m["load_rss_gb"] > 0 else "-")
+                       f"{m['packed_huge_pages_gb'] / m['packed_gb']:.0%}" if m["packed_gb"] > 0 else "-")
     console.print(models)
     table = Table(title="side by side (each case on each checkpoint in turn, every repetition)", title_justify="left")
     for name in ("batch", "in", "out", "weights", "TTFT ms", "ITL ms", "decode tok/s", "decode GB/s", "% bw",

@@ -10,6 +10,7 @@ Shards are opened with `safetensors.safe_open` (memory-mapped) the first time on
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -197,6 +198,7 @@ class Checkpoint(CheckpointConfig):
                     if not n:
                         raise CheckpointError(f"{self.path / shard} ends inside tensor {name!r}")
                     done += n
+                _drop_cached(f, data_start + begin, end - begin)
         return out
 
     def _header(self, shard: str) -> dict:
@@ -288,3 +290,12 @@ class CheckpointView(Checkpoint):
 
     def __repr__(self) -> str:
         return f"CheckpointView({str(self.path)!r}, {self.model_type}, tensors={len(self._disk_name)})"
+
+
+def _drop_cached(f, offset: int, length: int) -> None:
+    """Tells the kernel a tensor's file pages will not be read again: a loader packs what it reads into memory of
+    its own, and a page cache full of checkpoint files leaves the kernel no free 2 MB blocks for the packed weights'
+    huge pages (loading seven checkpoints in one process, the last ones got 41-46% of their weights on them; with
+    each tensor's pages dropped once read, 100%). The disk reads them again at a later load."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), offset, length, os.POSIX_FADV_DONTNEED)
