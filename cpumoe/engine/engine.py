@@ -303,6 +303,9 @@ class LLMEngine:
         bm = self.scheduler.block_manager
         stats = dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                      kv_blocks_used=bm.num_used, kv_blocks_total=bm.num_blocks)
+        if (huge_pages := getattr(self.model, "huge_pages", None)) is not None:  # as the load left them
+            stats.update(packed_weights_bytes=int(huge_pages.advised_gb * 1e9),
+                         packed_weights_huge_page_bytes=int(huge_pages.huge_gb * 1e9))
         if bm.enable_prefix_caching:
             stats.update(prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits)
         if self.proposer is not None:

@@ -170,7 +170,8 @@ class Checkpoint(CheckpointConfig):
     def read(self, name: str, out: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
         """The tensor, read with plain file reads into memory of its own (`out`, a contiguous tensor of its shape
         and dtype, if given). Unlike `get`, nothing stays memory-mapped: once the caller drops the tensor its
-        memory is free, so a loader that packs weights does not hold the checkpoint's pages as well.
+        memory is free, so a loader that packs weights does not hold the checkpoint's pages as well; and the tensor's
+        file pages leave the page cache once read (_drop_cached).
         index: read only tensor[index], one slice of dim 0 (one expert of a fused [E, ...] tensor)."""
         shard = self._file_of.get(name)
         if shard is None:

@@ -2,7 +2,8 @@
 
     per request:  RequestTimer(arrival) -> output(n_new) per engine output -> finish(reason)
                   -> TTFT, inter-token latency and end-to-end histograms, prompt/generation token counters
-    at scrape:    engine.stats() -> running / waiting requests and KV blocks gauges; with speculative decoding,
+    at scrape:    engine.stats() -> running / waiting requests, KV blocks and packed weights (and their share on
+                  huge pages) gauges; with speculative decoding,
                   drafted / accepted token counters; with prefix caching, prompt tokens
                   looked up and found
 
@@ -37,6 +38,12 @@ class _EngineStatsCollector(Collector):
                 ("kv_blocks_used", "cpumoe_kv_blocks_used", "KV cache blocks in use"),
                 ("kv_blocks_total", "cpumoe_kv_blocks_total", "KV cache blocks in all")):
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        for key, name, doc in (  # a model the loader packed
+                ("packed_weights_bytes", "cpumoe_packed_weights_bytes", "Packed weights resident after the load"),
+                ("packed_weights_huge_page_bytes", "cpumoe_packed_weights_huge_page_bytes",
+                 "Of the packed weights, the bytes the kernel put on 2 MB pages at the load")):
+            if key in stats:
+                yield GaugeMetricFamily(name, doc, value=float(stats[key]))
         for key, name, doc in (  # with prefix caching, and speculative decoding, only
                 ("prefix_cache_queries", "cpumoe_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
                 ("prefix_cache_hits", "cpumoe_prefix_cache_hits", "Prompt tokens found in the prefix cache"),

@@ -165,3 +165,8 @@ def test_speculative_serving_streams_the_same_text_and_counts_drafts(checkpoint)
     assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
     assert f"cpumoe_spec_decode_num_accepted_tokens_total {float(stats['accepted_tokens'])}" in metrics
     assert f"cpumoe_spec_decode_num_draft_tokens_total {float(stats['draft_tokens'])}" in metrics
+    # the packed weights as the load left them, and their bytes on huge pages (this machine's THP mode decides)
+    from prometheus_client.parser import text_string_to_metric_families
+    gauges = {s.name: s.value for family in text_string_to_metric_families(metrics) for s in family.samples}
+    assert gauges["cpumoe_packed_weights_bytes"] == stats["packed_weights_bytes"] > 0
+    assert 0 <= gauges["cpumoe_packed_weights_huge_page_bytes"] <= stats["packed_weights_bytes"]
