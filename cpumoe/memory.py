@@ -45,8 +45,10 @@ class HugePageUse:
         return min(self.huge_gb / self.advised_gb, 1.0) if self.advised_gb > 0 else None
 
     def __sub__(self, before: HugePageUse) -> HugePageUse:
-        """What was added since `before` (one load's packed weights)."""
-        return HugePageUse(max(self.advised_gb - before.advised_gb, 0.0), max(self.huge_gb - before.huge_gb, 0.0))
+        """What was added since `before` (one load's packed weights). Memory freed or collapsed onto huge pages
+        meanwhile blurs the difference; it is kept within 0 <= huge <= advised."""
+        advised = max(self.advised_gb - before.advised_gb, 0.0)
+        return HugePageUse(advised, min(max(self.huge_gb - before.huge_gb, 0.0), advised))
 
 
 _VMA_HEADER = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")

@@ -31,6 +31,8 @@ def test_huge_page_use_share_and_difference():
     use = HugePageUse(advised_gb=3.0, huge_gb=2.5) - HugePageUse(advised_gb=1.0, huge_gb=1.0)
     assert use == HugePageUse(2.0, 1.5) and use.share == pytest.approx(0.75)
     assert HugePageUse(0.0, 0.0).share is None
+    # memory freed meanwhile (4 GB advised, 2 GB of it huge) must not give more huge pages than memory added
+    assert HugePageUse(5.0, 5.0) - HugePageUse(4.0, 2.0) == HugePageUse(1.0, 1.0)
 
 
 def test_free_huge_blocks_counts_orders_of_2mb_and_up():
