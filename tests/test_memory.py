@@ -1,4 +1,5 @@
 """What the process's memory sits on (cpumoe.memory), and the loader's word on the packed weights' huge pages."""
+import gc
 import logging
 from pathlib import Path
 
@@ -16,6 +17,7 @@ def test_packed_weights_count_as_advised_memory():
     """A packed weight is memory of its own that asked for huge pages: the advised resident size grows by its bytes,
     and by nothing for an ordinary tensor of the same size."""
     weight = torch.randn(2048, 2048).to(torch.bfloat16)  # 8 MB
+    gc.collect()  # an earlier test's packed weights, freed between the two reads, would blur the difference
     before = memory.advised_memory()
     plain = torch.ones(4096, 1024)  # 16 MB of ordinary memory, touched
     assert (memory.advised_memory() - before).advised_gb < 0.002
