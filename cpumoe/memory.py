@@ -7,8 +7,10 @@ can compact) 2 MB of free, contiguous memory; where it cannot, it falls back to 
 module is how the loader finds out and says so."""
 from __future__ import annotations
 
+import bisect
 import re
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,36 +46,46 @@ class HugePageUse:
         """The part on 2 MB pages (None when nothing asked)."""
         return min(self.huge_gb / self.advised_gb, 1.0) if self.advised_gb > 0 else None
 
-    def __sub__(self, before: HugePageUse) -> HugePageUse:
-        """What was added since `before` (one load's packed weights). Memory freed or collapsed onto huge pages
-        meanwhile blurs the difference; it is kept within 0 <= huge <= advised."""
-        advised = max(self.advised_gb - before.advised_gb, 0.0)
-        return HugePageUse(advised, min(max(self.huge_gb - before.huge_gb, 0.0), advised))
+
+_VMA_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
 
 
-_VMA_HEADER = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
-
-
-def advised_memory() -> HugePageUse:
+def advised_memory(regions: Sequence[tuple[int, int]] | None = None) -> HugePageUse:
     """This process's mappings flagged for huge pages ("hg" in /proc/self/smaps' VmFlags): their resident size and
-    their AnonHugePages. Zero where the kernel gives no smaps."""
-    advised = huge = 0
-    rss = anon_huge = 0
+    their AnonHugePages; with `regions` ([(address, bytes)]: cpumoe.ops.huge_mappings_since), only those address
+    ranges. The kernel merges neighbouring mappings of the same kind into one, so a range's part of a merged
+    mapping's figures is taken in proportion to its bytes. Zero where the kernel gives no smaps."""
+    spans = sorted((begin, begin + size) for begin, size in regions) if regions is not None else None
+    advised = huge = 0.0
+    start = end = rss = anon_huge = 0
     try:
         with open("/proc/self/smaps") as f:
             for line in f:
-                if _VMA_HEADER.match(line):
+                if m := _VMA_HEADER.match(line):
+                    start, end = int(m.group(1), 16), int(m.group(2), 16)
                     rss = anon_huge = 0
                 elif line.startswith("Rss:"):
                     rss = int(line.split()[1])
                 elif line.startswith("AnonHugePages:"):
                     anon_huge = int(line.split()[1])
                 elif line.startswith("VmFlags:") and "hg" in line.split()[1:]:
-                    advised += rss
-                    huge += anon_huge
+                    part = 1.0 if spans is None else _overlap(spans, start, end) / (end - start)
+                    advised += rss * part
+                    huge += anon_huge * part
     except OSError:
         pass
     return HugePageUse(advised * 1024 / 1e9, huge * 1024 / 1e9)
+
+
+def _overlap(spans: list[tuple[int, int]], start: int, end: int) -> int:
+    """Bytes of [start, end) inside the sorted, disjoint spans."""
+    i = bisect.bisect_right(spans, (start, start)) - 1
+    total = 0
+    for begin, stop in spans[max(i, 0):]:
+        if begin >= end:
+            break
+        total += max(0, min(stop, end) - max(begin, start))
+    return total
 
 
 def transparent_huge_pages() -> dict[str, str]:

@@ -175,6 +175,17 @@ def attention_scope(backend: str) -> str:
     return _C.attention_scope(backend)
 
 
+def next_huge_mapping() -> int:
+    """The number the next packed-weight buffer will take (they are numbered in mapping order)."""
+    return _C.next_huge_mapping()
+
+
+def huge_mappings_since(number: int) -> list[tuple[int, int]]:
+    """[(address, bytes)] of the live packed-weight buffers numbered `number` or later: what a loader packed, for
+    cpumoe.memory.advised_memory to read their share on huge pages."""
+    return _C.huge_mappings_since(number)
+
+
 def release_free_memory() -> bool:
     """Return the C allocator's free memory to the OS (glibc malloc_trim); loaders call it between phases."""
     return _C.release_free_memory()

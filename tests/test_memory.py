@@ -1,5 +1,4 @@
 """What the process's memory sits on (cpumoe.memory), and the loader's word on the packed weights' huge pages."""
-import gc
 import logging
 from pathlib import Path
 
@@ -14,27 +13,39 @@ HAS_SMAPS = Path("/proc/self/smaps").is_file()
 
 @pytest.mark.skipif(not HAS_SMAPS, reason="no /proc/self/smaps")
 def test_packed_weights_count_as_advised_memory():
-    """A packed weight is memory of its own that asked for huge pages: the advised resident size grows by its bytes,
-    and by nothing for an ordinary tensor of the same size."""
+    """A packed weight is memory of its own that asked for huge pages, numbered as it is mapped: the buffers mapped
+    since a number are exactly the live packed weights made after it, and their advised resident size is their
+    bytes, whatever other packed weights are freed meanwhile (a difference of two process-wide reads was not)."""
     weight = torch.randn(2048, 2048).to(torch.bfloat16)  # 8 MB
-    gc.collect()  # an earlier test's packed weights, freed between the two reads, would blur the difference
-    before = memory.advised_memory()
+    earlier = ops.pack_linear(weight, "generic")  # every machine has it
+    first = ops.next_huge_mapping()
     plain = torch.ones(4096, 1024)  # 16 MB of ordinary memory, touched
-    assert (memory.advised_memory() - before).advised_gb < 0.002
-    packed = ops.pack_linear(weight, "generic")  # every machine has it
-    grown = memory.advised_memory() - before
+    assert ops.huge_mappings_since(first) == []
+    packed = ops.pack_linear(weight, "generic")
+    del earlier  # freed after the mark: not counted, and not taken off either
     nbytes = packed.numel() * packed.element_size()
-    assert nbytes / 1e9 * 0.99 <= grown.advised_gb <= nbytes / 1e9 + 0.0042  # its pages, up to two part-filled ones
-    assert 0 <= grown.huge_gb <= grown.advised_gb
-    del plain, packed
+    regions = ops.huge_mappings_since(first)
+    assert regions == [(packed.data_ptr(), nbytes)]
+    use = memory.advised_memory(regions)
+    assert use.advised_gb == pytest.approx(nbytes / 1e9, rel=0.01)
+    assert 0 <= use.huge_gb <= use.advised_gb
+    assert memory.advised_memory().advised_gb >= use.advised_gb * 0.99  # the whole process holds it too
+    del packed
+    assert ops.huge_mappings_since(first) == [] and memory.advised_memory([]).advised_gb == 0
+    del plain
 
 
-def test_huge_page_use_share_and_difference():
-    use = HugePageUse(advised_gb=3.0, huge_gb=2.5) - HugePageUse(advised_gb=1.0, huge_gb=1.0)
-    assert use == HugePageUse(2.0, 1.5) and use.share == pytest.approx(0.75)
+def test_huge_page_use_share():
+    assert HugePageUse(advised_gb=2.0, huge_gb=1.5).share == pytest.approx(0.75)
     assert HugePageUse(0.0, 0.0).share is None
-    # memory freed meanwhile (4 GB advised, 2 GB of it huge) must not give more huge pages than memory added
-    assert HugePageUse(5.0, 5.0) - HugePageUse(4.0, 2.0) == HugePageUse(1.0, 1.0)
+
+
+def test_overlap_of_a_mapping_with_regions():
+    spans = [(100, 200), (300, 400), (500, 600)]
+    assert memory._overlap(spans, 150, 350) == 50 + 50
+    assert memory._overlap(spans, 0, 1000) == 300
+    assert memory._overlap(spans, 200, 300) == 0 and memory._overlap(spans, 650, 700) == 0
+    assert memory._overlap(spans, 550, 560) == 10
 
 
 def test_free_huge_blocks_counts_orders_of_2mb_and_up():

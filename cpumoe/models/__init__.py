@@ -50,9 +50,9 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, backend: str 
     with torch.device("meta"):
         model = CausalLM(arch, config, backend=backend)
     quantized = QuantizedCheckpoint(ckpt)
-    before = advised_memory()
+    first = ops.next_huge_mapping()
     load_weights(model, ckpt, dtype, quantized if quantized.format is not None else None, backend)
-    model.huge_pages = advised_memory() - before
+    model.huge_pages = advised_memory(ops.huge_mappings_since(first))  # this model's packed weights
     _log_huge_pages(model.huge_pages)
     return model.eval()
 

@@ -2,6 +2,8 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <new>
 
 #if defined(__linux__)
@@ -12,6 +14,47 @@
 #endif
 
 namespace cpumoe {
+namespace {
+
+struct Mappings {
+  std::mutex mutex;
+  uint64_t next = 0;
+  std::map<uintptr_t, std::pair<size_t, uint64_t>> live;  // address -> (bytes, number)
+};
+
+Mappings& mappings() {
+  static Mappings* m = new Mappings;  // never destroyed: buffers may be freed during static destruction
+  return *m;
+}
+
+void record_mapping(void* p, size_t bytes) {
+  Mappings& m = mappings();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  m.live[reinterpret_cast<uintptr_t>(p)] = {bytes, m.next++};
+}
+
+void forget_mapping(void* p) {
+  Mappings& m = mappings();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  m.live.erase(reinterpret_cast<uintptr_t>(p));
+}
+
+}  // namespace
+
+uint64_t next_huge_mapping() {
+  Mappings& m = mappings();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  return m.next;
+}
+
+std::vector<std::pair<uintptr_t, size_t>> huge_mappings_since(uint64_t number) {
+  Mappings& m = mappings();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  std::vector<std::pair<uintptr_t, size_t>> out;
+  for (const auto& [address, entry] : m.live)
+    if (entry.second >= number) out.emplace_back(address, entry.first);
+  return out;
+}
 
 bool advise_huge_pages(void* p, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
@@ -39,16 +82,17 @@ void* map_huge(size_t bytes) {
     munmap(reinterpret_cast<void*>(aligned + size), begin + size + kHugePageBytes - aligned - size);
   void* p = reinterpret_cast<void*>(aligned);
   advise_huge_pages(p, size);
-  return p;
 #else
   void* p = std::aligned_alloc(kHugePageBytes, size);
   if (!p) throw std::bad_alloc();
-  return p;
 #endif
+  record_mapping(p, size);
+  return p;
 }
 
 void unmap_huge(void* p, size_t bytes) {
   if (!p) return;
+  forget_mapping(p);
 #if defined(__linux__)
   munmap(p, (bytes + kHugePageBytes - 1) & ~(kHugePageBytes - 1));
 #else

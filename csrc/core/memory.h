@@ -2,6 +2,9 @@
 // a decode call streams hundreds of MB, and on 4 KB pages every page is a TLB miss.
 #pragma once
 #include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace cpumoe {
 
@@ -17,6 +20,12 @@ bool advise_huge_pages(void* p, size_t bytes);
 // elsewhere aligned_alloc. Free it with unmap_huge(p, bytes), the same bytes. Throws std::bad_alloc.
 void* map_huge(size_t bytes);
 void unmap_huge(void* p, size_t bytes);
+
+// map_huge's buffers are numbered in mapping order. A loader takes next_huge_mapping() before it packs, and
+// huge_mappings_since(that) after: the (address, bytes) of the buffers it mapped that are still live, whose share
+// on huge pages it then reads from /proc (cpumoe/memory.py), unblurred by other buffers freed meanwhile.
+uint64_t next_huge_mapping();
+std::vector<std::pair<uintptr_t, size_t>> huge_mappings_since(uint64_t number);
 
 // Hands the allocator's free memory back to the OS (glibc's malloc_trim). A loader calls it after a phase that
 // freed many transient buffers: later allocations otherwise land beside those holes and the resident size of a

@@ -869,6 +869,10 @@ PYBIND11_MODULE(_C, m) {
     const cpumoe::KernelClock c = cpumoe::fused_moe_clock();
     return std::make_tuple(c.calls, c.last_ns);
   }, "(calls, ns): the calling thread's fused experts calls so far and the last one's time in its native kernel");
+  m.def("next_huge_mapping", &cpumoe::next_huge_mapping,
+        "The number the next packed-weight buffer (map_huge) will take");
+  m.def("huge_mappings_since", &cpumoe::huge_mappings_since, pybind11::arg("number"),
+        "[(address, bytes)] of the live packed-weight buffers numbered `number` or later");
   m.def("release_free_memory", &cpumoe::release_free_memory,
         "Return the allocator's free memory to the OS (malloc_trim); false if nothing was released");
   cpumoe::bind_decode_layer(m);

@@ -1,5 +1,4 @@
 """The model benchmark end to end on a tiny synthetic checkpoint, fused beside naive."""
-import gc
 import json
 from dataclasses import asdict
 
@@ -72,7 +71,6 @@ def test_bench_model_quantized_checkpoints_side_by_side(tmp_path, capsys):
     int4 = quantize_checkpoint(src, tmp_path / "int4", "int4", group_size=32).path
     fp8 = quantize_checkpoint(src, tmp_path / "fp8", "fp8").path
     out = tmp_path / "formats.json"
-    gc.collect()  # an earlier test's packed weights, freed during a load, would blur its huge-page figure
     assert main(["bench", "model", str(src), str(int4), str(fp8), "--batch", "1,2", "--input-len", "9",
                  "--output-len", "3", "--quick", "--json", str(out)]) == 0
     report = json.loads(out.read_text())

@@ -1,5 +1,4 @@
 """The server over the real engine: a tiny synthetic Qwen3-MoE checkpoint, the official openai client."""
-import gc
 import threading
 
 import openai
@@ -150,7 +149,6 @@ def test_speculative_serving_streams_the_same_text_and_counts_drafts(checkpoint)
     offline = LLMEngine(checkpoint, config=EngineConfig(num_blocks=64, max_model_len=256))
     expected = offline.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
     spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
-    gc.collect()  # an earlier test's packed weights, freed during the load, would blur its huge-page figure
     engine = AsyncEngine.from_path(checkpoint, config=EngineConfig(num_blocks=64, max_model_len=256, speculative=spec),
                                    model_name=MODEL)
     try:
