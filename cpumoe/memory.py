@@ -50,12 +50,12 @@ class HugePageUse:
 _VMA_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
 
 
-def advised_memory(regions: Sequence[tuple[int, int]] | None = None) -> HugePageUse:
-    """This process's mappings flagged for huge pages ("hg" in /proc/self/smaps' VmFlags): their resident size and
-    their AnonHugePages; with `regions` ([(address, bytes)]: cpumoe.ops.huge_mappings_since), only those address
-    ranges. The kernel merges neighbouring mappings of the same kind into one, so a range's part of a merged
+def advised_memory(regions: Sequence[tuple[int, int]]) -> HugePageUse:
+    """The resident size and AnonHugePages of the address ranges `regions` ([(address, bytes)]:
+    cpumoe.ops.huge_mappings_since), from this process's mappings flagged for huge pages ("hg" in /proc/self/smaps'
+    VmFlags). The kernel merges neighbouring mappings of the same kind into one, so a range's part of a merged
     mapping's figures is taken in proportion to its bytes. Zero where the kernel gives no smaps."""
-    spans = sorted((begin, begin + size) for begin, size in regions) if regions is not None else None
+    spans = sorted((begin, begin + size) for begin, size in regions)
     advised = huge = 0.0
     start = end = rss = anon_huge = 0
     try:
@@ -69,7 +69,7 @@ def advised_memory(regions: Sequence[tuple[int, int]] | None = None) -> HugePage
                 elif line.startswith("AnonHugePages:"):
                     anon_huge = int(line.split()[1])
                 elif line.startswith("VmFlags:") and "hg" in line.split()[1:]:
-                    part = 1.0 if spans is None else _overlap(spans, start, end) / (end - start)
+                    part = _overlap(spans, start, end) / (end - start)
                     advised += rss * part
                     huge += anon_huge * part
     except OSError:
