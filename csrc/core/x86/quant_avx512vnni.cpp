@@ -10,8 +10,8 @@
 // (the file builds with -ffp-contract=off), so the per-token int8 re-quantization of the w13 output never
 // rounds differently from backend to backend (one flipped level costs ~1/127 of the row's largest value).
 // Decode tiles (1-2 rows) stream the block from memory with a prefetch 4 KB ahead, into L1 (on an AMX Xeon, in
-// `bench layer`'s alternated runs, int4 at M = 1 took 0.82-0.83 ms against 0.92-0.98 into L2, int8 and mxfp4 the
-// same either way). Past the codes it skips the block's scales and goes on in the next block's codes (the next tile of
+// `bench layer`'s alternated runs, int4's layer at M = 1 took 0.82-0.84 ms against 0.85-0.98 into L2, at M = 8
+// 4.7-5.0 against 5.1-5.6; int8 and mxfp4 the same either way). Past the codes it skips the block's scales and goes on in the next block's codes (the next tile of
 // a worker's run), and the scales are prefetched a group ahead, the next block's first group at the last: a
 // tile that started cold cost ~0.7 us, and a quantized block is 4-8x smaller than a bf16 one (at M = 1, in an
 // A/B within one process: int4 1.16x, mxfp4 1.24x, int8 1.05x the speed). Measured on one Xeon (Emerald Rapids) thread against the dense bf16 tile on the same shapes,
