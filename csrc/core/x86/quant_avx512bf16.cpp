@@ -24,10 +24,6 @@ namespace {
 
 constexpr int kDirectRows = 2;    // register tiles that widen the weights themselves
 constexpr int kScratchRows = 3;   // from this many rows a call dequantizes its block once
-// The codes 2 KB ahead into L1: in `bench layer`'s alternated runs on an AMX Xeon, qwen3-30b-a3b's layer at M = 1
-// took 1.54-1.62 ms against 1.63-1.72 with 4 KB into L2 (M = 8: 9.9-10.0 against 10.5-10.8 ms); 1.5-4 KB into L1
-// and 1-3 KB into L2 lay about between, 0.5 KB or 8-16 KB into L2 or none at all were slower than 4 KB into L2.
-constexpr int kPrefetchBytes = 2048;
 
 // fp8 e4m3 block (quant.h): [Kp/2][64][2] bytes, then f32 scale[ceil(Kp/g)][64], then a bit per k-pair set where
 // its codes hold a zero exponent field.
@@ -127,7 +123,7 @@ void chunked_dot(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
     const auto pair = [&](int64_t p, auto has_e0) {
-      int64_t at = F::kPairBytes * p + kPrefetchBytes;
+      int64_t at = F::kPairBytes * p + qx86::kStreamAheadBytes;
       if (R <= kDirectRows && at >= codes) at += tail;  // past the codes: on in the next block's (a run's next tile)
       for (int l = 0; l < F::kPairBytes / 64; ++l)
         _mm_prefetch(b + at + 64 * l, _MM_HINT_T0);

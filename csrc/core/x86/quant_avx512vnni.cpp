@@ -9,9 +9,8 @@
 // Results are bit-identical to quant_generic's: the same float operations in the same order, none fused
 // (the file builds with -ffp-contract=off), so the per-token int8 re-quantization of the w13 output never
 // rounds differently from backend to backend (one flipped level costs ~1/127 of the row's largest value).
-// Decode tiles (1-2 rows) stream the block from memory with a prefetch 4 KB ahead, into L1 (on an AMX Xeon, in
-// `bench layer`'s alternated runs, int4's layer at M = 1 took 0.82-0.84 ms against 0.85-0.98 into L2, at M = 8
-// 4.7-5.0 against 5.1-5.6; int8 and mxfp4 the same either way). Past the codes it skips the block's scales and goes on in the next block's codes (the next tile of
+// Decode tiles (1-2 rows) stream the block from memory with a prefetch into L1 (qx86::kStreamAheadBytes ahead).
+// Past the codes it skips the block's scales and goes on in the next block's codes (the next tile of
 // a worker's run), and the scales are prefetched a group ahead, the next block's first group at the last: a
 // tile that started cold cost ~0.7 us, and a quantized block is 4-8x smaller than a bf16 one (at M = 1, in an
 // A/B within one process: int4 1.16x, mxfp4 1.24x, int8 1.05x the speed). Measured on one Xeon (Emerald Rapids) thread against the dense bf16 tile on the same shapes,
@@ -33,22 +32,22 @@ inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
 }
 
 constexpr int kStreamRows = 2;
-constexpr int kPrefetchBytes = 4096;
 
 // Streaming tiles prefetch `lines` lines at p + ahead into L1.
 template <int R>
-inline void prefetch_lines(const void* p, int lines, int64_t ahead = kPrefetchBytes) {
+inline void prefetch_lines(const void* p, int lines, int64_t ahead = qx86::kStreamAheadBytes) {
   if constexpr (R <= kStreamRows)
     for (int l = 0; l < lines; ++l)
       _mm_prefetch(static_cast<const char*>(p) + ahead + 64 * l, _MM_HINT_T0);
 }
 
-// Lines of the codes 4 KB past byte `off` of a block of `codes` code bytes then `tail` bytes of scales: past
-// the codes the stream goes on in the next block's codes (a run's next tile), not in this block's scales.
+// Lines of the codes kStreamAheadBytes past byte `off` of a block of `codes` code bytes then `tail` bytes of
+// scales: past the codes the stream goes on in the next block's codes (a run's next tile), not in this block's
+// scales.
 template <int R>
 inline void prefetch_codes(const uint8_t* b, int64_t off, int64_t codes, int64_t tail, int lines) {
   if constexpr (R <= kStreamRows) {
-    int64_t at = off + kPrefetchBytes;
+    int64_t at = off + qx86::kStreamAheadBytes;
     if (at >= codes) at += tail;
     for (int l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(b) + at + 64 * l, _MM_HINT_T0);
   }
