@@ -45,8 +45,8 @@ static inline int32_t a8_sum(const int32_t* sums, int64_t k0, int64_t k1) {
 
 // How far ahead the AVX-512 decode tiles (1-2 rows: fp8's, the VNNI unit's) prefetch the codes they stream, into
 // L1. Into L2 4 KB ahead before: in `bench layer`'s runs on an AMX Xeon (variants in turn, bf16 timed beside), the
-// qwen3-30b-a3b layer at M = 1 took fp8 1.54-1.62 ms against 1.63-1.72, int4 0.78-0.85 against 0.85-0.98, int8
-// 1.37-1.47 against 1.44-1.48. 2-3 KB into L1 were alike; 4 KB or more, into L1 or L2, and 0.5-1 KB were slower.
+// qwen3-30b-a3b layer at M = 1 took fp8 1.54-1.62 ms against 1.63-1.72 and int4 0.78-0.87 against 0.85-0.98, int8
+// at M = 8 8.3-9.1 against 8.9-9.2. 2-3 KB into L1 were alike; 4 KB or more, into L1 or L2, and 0.5-1 KB slower.
 constexpr int64_t kStreamAheadBytes = 2048;
 
 // How far ahead a prefill's widening of a block prefetches its codes into L1. At M = 2048 in qwen3-30b-a3b's layer
