@@ -125,8 +125,7 @@ void chunked_dot(const GemmTile& t, simd::f32x16 (&y)[R][4]) {
     const auto pair = [&](int64_t p, auto has_e0) {
       int64_t at = F::kPairBytes * p + qx86::kStreamAheadBytes;
       if (R <= kDirectRows && at >= codes) at += tail;  // past the codes: on in the next block's (a run's next tile)
-      for (int l = 0; l < F::kPairBytes / 64; ++l)
-        _mm_prefetch(b + at + 64 * l, _MM_HINT_T0);
+      for (int l = 0; l < F::kPairBytes / 64; ++l) qx86::prefetch_stream(b + at + 64 * l);
       __m512i w[4];
       f.template row<decltype(has_e0)::value>(p, w);
       for (int c = 0; c < 4; ++c)

@@ -13,9 +13,10 @@
 // Past the codes it skips the block's scales and goes on in the next block's codes (the next tile of
 // a worker's run), and the scales are prefetched a group ahead, the next block's first group at the last: a
 // tile that started cold cost ~0.7 us, and a quantized block is 4-8x smaller than a bf16 one (at M = 1, in an
-// A/B within one process: int4 1.16x, mxfp4 1.24x, int8 1.05x the speed). Measured on one Xeon (Emerald Rapids) thread against the dense bf16 tile on the same shapes,
-// 1 row streaming 1 GB of Kp = 2048 blocks (bf16: 15 GB/s): int8 2.1x the rows per second, int4 g128 3.5x
-// (g32 2.85x, as its bytes allow); 64 rows: int8 2.9-3.2x, int4 g128 3.8-4.6x.
+// A/B within one process: int4 1.16x, mxfp4 1.24x, int8 1.05x the speed). Measured on one Xeon (Emerald Rapids)
+// thread against the dense bf16 tile on the same shapes, 1 row streaming 1 GB of Kp = 2048 blocks (bf16: 15 GB/s):
+// int8 2.1x the rows per second, int4 g128 3.5x (g32 2.85x, as its bytes allow); 64 rows: int8 2.9-3.2x, int4 g128
+// 3.8-4.6x.
 #include "../quant_row.h"
 #include "quant_tiles.h"
 
@@ -33,12 +34,12 @@ inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
 
 constexpr int kStreamRows = 2;
 
-// Streaming tiles prefetch `lines` lines at p + ahead into L1.
+// Streaming tiles prefetch `lines` lines at p + ahead.
 template <int R>
 inline void prefetch_lines(const void* p, int lines, int64_t ahead = qx86::kStreamAheadBytes) {
   if constexpr (R <= kStreamRows)
     for (int l = 0; l < lines; ++l)
-      _mm_prefetch(static_cast<const char*>(p) + ahead + 64 * l, _MM_HINT_T0);
+      qx86::prefetch_stream(static_cast<const char*>(p) + ahead + 64 * l);
 }
 
 // Lines of the codes kStreamAheadBytes past byte `off` of a block of `codes` code bytes then `tail` bytes of
@@ -49,7 +50,7 @@ inline void prefetch_codes(const uint8_t* b, int64_t off, int64_t codes, int64_t
   if constexpr (R <= kStreamRows) {
     int64_t at = off + qx86::kStreamAheadBytes;
     if (at >= codes) at += tail;
-    for (int l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(b) + at + 64 * l, _MM_HINT_T0);
+    for (int l = 0; l < lines; ++l) qx86::prefetch_stream(b + at + 64 * l);
   }
 }
 
@@ -196,7 +197,8 @@ struct Mxfp4Dot {
         }
       }
       for (int c = 0; c < 4; ++c) {
-        const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(exps + 64 * G + 16 * c)));
+        const __m512i e =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(exps + 64 * G + 16 * c)));
         const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));  // 2^(e - 127); e = 0 gives 0
         for (int r = 0; r < R; ++r)  // scale x acc is exact, so this rounds once, as quant_generic's
           tot[r][c] = _mm512_add_ps(tot[r][c], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(acc[r][c])));

@@ -43,11 +43,13 @@ static inline int32_t a8_sum(const int32_t* sums, int64_t k0, int64_t k1) {
   return s;
 }
 
-// How far ahead the AVX-512 decode tiles (1-2 rows: fp8's, the VNNI unit's) prefetch the codes they stream, into
-// L1. Into L2 4 KB ahead before: in `bench layer`'s runs on an AMX Xeon (variants in turn, bf16 timed beside), the
-// qwen3-30b-a3b layer at M = 1 took fp8 1.54-1.62 ms against 1.63-1.72 and int4 0.78-0.87 against 0.85-0.98, int8
-// at M = 8 8.3-9.1 against 8.9-9.2. 2-3 KB into L1 were alike; 4 KB or more, into L1 or L2, and 0.5-1 KB slower.
+// The AVX-512 decode tiles (1-2 rows: fp8's, the VNNI unit's) prefetch the codes they stream kStreamAheadBytes
+// ahead into L1. They prefetched 4 KB ahead into L2 before: in `bench layer`'s runs on an AMX Xeon (variants in
+// turn, bf16 timed beside), the qwen3-30b-a3b layer at M = 1 took fp8 1.54-1.62 ms against 1.63-1.72 and int4
+// 0.78-0.87 against 0.85-0.98, int8 at M = 8 8.3-9.1 against 8.9-9.2. 2-3 KB into L1 were alike; 4 KB or more,
+// into L1 or L2, were slower, and so was 0.5 KB into L2 for fp8.
 constexpr int64_t kStreamAheadBytes = 2048;
+static inline void prefetch_stream(const void* line) { _mm_prefetch(static_cast<const char*>(line), _MM_HINT_T0); }
 
 // How far ahead a prefill's widening of a block prefetches its codes into L1. At M = 2048 in qwen3-30b-a3b's layer
 // on AMX (the calls alternated in one process), 8 KB took fp8 0.92x the time of no prefetch; 4 KB the same as 8,
