@@ -31,6 +31,11 @@ ISA_FLAGS = {
     "quant_avx512bf16.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                              "-mfma", "-mf16c"],
     "quant_avx2.cpp": ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
+    # the elementwise ops' row loops are cloned per vector width (CPUMOE_VECTOR_CLONES): no clone may fuse a
+    # multiply into an add that the base one rounds apart
+    "norm.cpp": ["-ffp-contract=off"],
+    "rope.cpp": ["-ffp-contract=off"],
+    "softmax.cpp": ["-ffp-contract=off"],
     "kernels_neon.cpp": [],
     "quant_dotprod.cpp": ["-march=armv8.2-a+dotprod"],
     "quant_i8mm.cpp": ["-march=armv8.6-a+i8mm+dotprod"],

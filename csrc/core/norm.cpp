@@ -27,6 +27,14 @@ void norm_row(const RmsNormArgs& a, const float* w, int64_t r, float* __restrict
   store_row(buf, static_cast<char*>(a.out) + r * dim * dtype_size(D), dim, D);
 }
 
+// Rows [r0, r1) of the call.
+CPUMOE_VECTOR_CLONES
+void norm_rows(const RmsNormArgs& a, const float* w, int64_t r0, int64_t r1, float* buf) {
+  with_dtype(a.dtype, [&](auto tag) {
+    for (int64_t r = r0; r < r1; ++r) norm_row<decltype(tag)::value>(a, w, r, buf);
+  });
+}
+
 }  // namespace
 
 void rms_norm(const RmsNormArgs& a, const Parallel& parallel) {
@@ -36,10 +44,7 @@ void rms_norm(const RmsNormArgs& a, const Parallel& parallel) {
   parallel_items(parallel, items, [&](int64_t i) {
     thread_local std::vector<float> buf;
     buf.resize(a.dim);
-    with_dtype(a.dtype, [&](auto tag) {
-      for (int64_t r = i * kRowsPerItem; r < std::min(a.rows, (i + 1) * kRowsPerItem); ++r)
-        norm_row<decltype(tag)::value>(a, w.data(), r, buf.data());
-    });
+    norm_rows(a, w.data(), i * kRowsPerItem, std::min(a.rows, (i + 1) * kRowsPerItem), buf.data());
   });
 }
 

@@ -96,7 +96,7 @@ def test_odd_head_size_is_refused():
 
 
 def test_head_size_above_1024_is_refused():
-    """The kernel rotates a head through stack buffers of 512 pairs: a larger head is named, not overrun."""
+    """The kernel normalizes a head through a stack buffer of 1024 values: a larger head is named, not overrun."""
     d = 1026
     q, k, v = torch.randn(2, 2, d), torch.randn(2, 1, d), torch.randn(2, 1, d)
     cos, sin = torch.randn(2, d), torch.randn(2, d)
