@@ -156,6 +156,16 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     torch.ops.cpumoe.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, norm_eps)
 
 
+def causal_softmax(scores: torch.Tensor, scale: float, first_query: int, first_key: int, *, window: int = 0,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention probabilities of a prefill chunk in one pass (csrc/core/softmax.h): softmax over the last
+    dimension of scores [heads, queries, keys] * scale, keys a query does not see masked out, in float32, rounded
+    to the scores' dtype. Query i sits at position first_query + i, key j at first_key + j; a query sees the keys at
+    or before its position, and with a window (> 0) only those after position - window. sinks: float32 [heads],
+    a logit per head that joins the denominator only (gpt-oss)."""
+    return torch.ops.cpumoe.causal_softmax(scores, scale, first_query, first_key, window, sinks)
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's most likely token: logits float32 [B, V] -> int64 [B], the first of equal maxima (as torch.argmax),
     or NO_TOKEN for a row that holds a NaN (csrc/core/greedy.h). One op where argmax and a NaN check were four."""
@@ -281,6 +291,12 @@ def _decode_attention_fake(q, k_cache, v_cache, block_table, key_begin, key_end,
 def _rope_and_cache_fake(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm=None, k_norm=None,
                          norm_eps=1e-6):
     _no_meta_weights(q, k_cache=k_cache, v_cache=v_cache, q_norm=q_norm, k_norm=k_norm)
+
+
+@torch.library.register_fake("cpumoe::causal_softmax")
+def _causal_softmax_fake(scores, scale, first_query, first_key, window, sinks):
+    _no_meta_weights(scores, sinks=sinks)
+    return torch.empty_like(scores)
 
 
 @torch.library.register_fake("cpumoe::add_rms_norm")

@@ -7,8 +7,9 @@ the causal half of the score matrix is never computed, and the query heads shari
 (GQA without repeating K/V):
 
     per block: scores [nkv, g*n, L'] = q_block @ k[:, :L'].T   (bf16 GEMM, fp32 accumulate)
-               -> fp32, * scale, + causal / window mask, softmax (with sink logits in the denominator)
-               -> model dtype -> @ v[:, :L']                      [nkv, g*n, dv]
+               -> ops.causal_softmax: fp32, * scale, causal / window mask, softmax (with sink logits in the
+                  denominator), model dtype, in one pass a row
+               -> @ v[:, :L']                                      [nkv, g*n, dv]
 
 On 2 Zen 4 cores this runs 512-token prompts about 2.5x faster than SDPA's fused CPU kernel (flash), whose
 inner GEMMs are small; the probabilities are rounded to the model dtype before the second GEMM as flash does.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from cpumoe import ops
 from cpumoe.torch_gemm import gemm_dtype
 
 BLOCK = 64
@@ -37,23 +39,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     compute = gemm_dtype(q.dtype)
     qg, k, v = q.view(nkv, g, T, d).to(compute), k.to(compute), v.to(compute)
     out = torch.empty(nkv, g, T, dv, dtype=q.dtype)
+    sinks_f32 = None if sinks is None else sinks.float().contiguous()
     for t0 in range(0, T, BLOCK):
         t1 = min(T, t0 + BLOCK)
         n, last = t1 - t0, offset + t1  # keys [first, last) cover every query of the block
         first = 0 if sliding_window is None else max(0, offset + t0 - sliding_window + 1)
         scores = torch.bmm(qg[:, :, t0:t1].reshape(nkv, g * n, d), k[:, first:last].transpose(1, 2))
-        scores = scores.to(q.dtype).float().view(nkv, g, n, last - first).mul_(scale)  # [nkv, g, n, L']
-        pos = torch.arange(offset + t0, offset + t1)[:, None]  # [n, 1]
-        key = torch.arange(first, last)[None, :]  # [1, L']
-        hidden = key > pos
-        if sliding_window is not None:
-            hidden |= key <= pos - sliding_window
-        scores.masked_fill_(hidden, float("-inf"))
-        if sinks is None:
-            probs = scores.softmax(-1)
-        else:  # the sink joins the normalization, then is dropped
-            sink = sinks.float().view(nkv, g, 1, 1).expand(nkv, g, n, 1)
-            probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
-        out[:, :, t0:t1] = torch.bmm(probs.to(q.dtype).to(compute).reshape(nkv, g * n, last - first),
+        probs = ops.causal_softmax(scores.to(q.dtype).view(nkv * g, n, last - first), scale, offset + t0, first,
+                                   window=sliding_window or 0, sinks=sinks_f32)  # [nkv * g, n, L']
+        out[:, :, t0:t1] = torch.bmm(probs.to(compute).view(nkv, g * n, last - first),
                                      v[:, first:last]).view(nkv, g, n, dv)
     return out.view(nh, T, dv)

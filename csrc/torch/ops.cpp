@@ -25,6 +25,7 @@
 #include "../core/attention.h"
 #include "../core/norm.h"
 #include "../core/rope.h"
+#include "../core/softmax.h"
 #include "../core/pack.h"
 #include "../core/quant_pack.h"
 #include "../core/worker_pool.h"
@@ -738,6 +739,37 @@ void rope_and_cache_op(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   rope_and_cache(a, kernel_parallel());
 }
 
+// The softmax of a prefill chunk's attention scores with its causal (and window) mask and sinks; see softmax.h.
+at::Tensor causal_softmax_op(const at::Tensor& scores, double scale, int64_t first_query, int64_t first_key,
+                             int64_t window, const std::optional<at::Tensor>& sinks) {
+  check_dense(scores, "scores", 3);
+  CausalSoftmaxArgs a;
+  a.dtype = to_dtype(scores, "scores");
+  a.heads = scores.size(0);
+  a.queries = scores.size(1);
+  a.keys = scores.size(2);
+  TORCH_CHECK_VALUE(first_query >= 0 && first_key >= 0 && window >= 0, "causal_softmax: first_query (", first_query,
+                    "), first_key (", first_key, ") and window (", window, ") must be >= 0");
+  TORCH_CHECK_VALUE(first_key <= first_query, "causal_softmax: the first query (position ", first_query,
+                    ") sees no key: the keys start at position ", first_key);
+  if (sinks) {
+    check_dense(*sinks, "sinks", 1);
+    TORCH_CHECK_VALUE(sinks->scalar_type() == at::kFloat && sinks->size(0) == a.heads, "sinks must be float32 [",
+                      a.heads, "] (one logit a head), got ", sinks->scalar_type(), " ", sinks->sizes());
+    a.sinks = sinks->data_ptr<float>();
+  }
+  at::Tensor probs = new_output(scores.sizes(), scores.options());
+  a.scores = scores.data_ptr();
+  a.probs = probs.data_ptr();
+  a.first_query = first_query;
+  a.first_key = first_key;
+  a.window = window;
+  a.scale = float(scale);
+  causal_softmax(a, kernel_parallel());
+  check_output_guards(probs, "causal_softmax");
+  return probs;
+}
+
 // Logits [B, V] float32 -> int64 [B]: each row's argmax, kNoToken for a row with a NaN; see greedy.h.
 at::Tensor greedy_tokens_op(const at::Tensor& logits) {
   check_dense(logits, "logits", 2);
@@ -762,6 +794,8 @@ TORCH_LIBRARY(cpumoe, m) {
   m.def("rope_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
         "Tensor(d!) v_cache, Tensor slot_mapping, Tensor? q_norm=None, Tensor? k_norm=None, "
         "float norm_eps=1e-6) -> ()");
+  m.def("causal_softmax(Tensor scores, float scale, int first_query, int first_key, int window, Tensor? sinks) "
+        "-> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_begin, "
         "Tensor key_end, float scale, Tensor? sinks, str backend=\"\") -> Tensor");
   m.def("greedy_tokens(Tensor logits) -> Tensor");
@@ -794,6 +828,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("rms_norm", &rms_norm_op);
   m.impl("add_rms_norm", &add_rms_norm_op);
   m.impl("rope_and_cache", &rope_and_cache_op);
+  m.impl("causal_softmax", &causal_softmax_op);
   m.impl("greedy_tokens", &greedy_tokens_op);
 }
 
