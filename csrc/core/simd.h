@@ -1,5 +1,6 @@
 // 16-lane float vectors written with GCC/Clang vector extensions. Each kernel unit includes this and is
-// compiled with its own ISA flags, so the same source becomes SSE2, AVX2, AVX-512 or NEON code.
+// compiled with its own ISA flags, so the same source becomes SSE2, AVX2, AVX-512 or NEON code (a generic unit's
+// CPUMOE_VECTOR_CLONES functions get each x86 width the same way).
 // Holds the conversions, the activations (exp/erf/tanh approximations, fp32-accurate to a few ulp) and
 // the tile epilogues shared by every kernel.
 #pragma once

@@ -1,7 +1,6 @@
 #include "softmax.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>

@@ -99,9 +99,10 @@ inline float round_to(float v) {
   else return f16_to_f32(f32_to_f16(v));
 }
 // A row loop built once per x86 vector width (AVX-512, AVX2, the base SSE2), the widest the CPU has picked when the
-// library loads: the plain loops of the elementwise ops (RMSNorm, RoPE) vectorize, and SSE2 ran them at 4 lanes
-// (RoPE: 5 ms of each layer of a 512-token prompt). Apply it to a non-template function; its inline callees are
-// compiled into each clone. Their units build with -ffp-contract=off, so every clone rounds as the base one does.
+// library loads: the plain loops of the elementwise ops (RMSNorm, RoPE, the prefill softmax) vectorize, and SSE2 ran
+// them at 4 lanes (RoPE: 5 ms of each layer of a 512-token prompt). Apply it to a non-template function: `flatten`
+// inlines what it calls into each clone. Their units build with -ffp-contract=off, so every clone rounds as the base
+// one does.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define CPUMOE_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), flatten))
 #else

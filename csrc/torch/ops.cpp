@@ -752,6 +752,9 @@ at::Tensor causal_softmax_op(const at::Tensor& scores, double scale, int64_t fir
                     "), first_key (", first_key, ") and window (", window, ") must be >= 0");
   TORCH_CHECK_VALUE(first_key <= first_query, "causal_softmax: the first query (position ", first_query,
                     ") sees no key: the keys start at position ", first_key);
+  TORCH_CHECK_VALUE(first_query + a.queries <= first_key + a.keys, "causal_softmax: the last query (position ",
+                    first_query + a.queries - 1, ") is past the last key (position ", first_key + a.keys - 1,
+                    "): its own key is missing");
   if (sinks) {
     check_dense(*sinks, "sinks", 1);
     TORCH_CHECK_VALUE(sinks->scalar_type() == at::kFloat && sinks->size(0) == a.heads, "sinks must be float32 [",

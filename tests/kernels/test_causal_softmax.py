@@ -66,14 +66,16 @@ def test_large_scores_do_not_overflow():
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda s: ops.causal_softmax(s[0], 1.0, 4, 0), "scores must be 3-D"),
-    (lambda s: ops.causal_softmax(s.transpose(1, 2), 1.0, 4, 0), "scores must be contiguous"),
-    (lambda s: ops.causal_softmax(s.int(), 1.0, 4, 0), "scores must be float32, bfloat16 or float16"),
-    (lambda s: ops.causal_softmax(s, 1.0, 4, 5), "the first query \\(position 4\\) sees no key"),
+    (lambda s: ops.causal_softmax(s[0], 1.0, 3, 0), "scores must be 3-D"),
+    (lambda s: ops.causal_softmax(s.transpose(1, 2), 1.0, 3, 0), "scores must be contiguous"),
+    (lambda s: ops.causal_softmax(s.int(), 1.0, 3, 0), "scores must be float32, bfloat16 or float16"),
+    (lambda s: ops.causal_softmax(s, 1.0, 3, 5), "the first query \\(position 3\\) sees no key"),
+    (lambda s: ops.causal_softmax(s, 1.0, 4, 0),
+     "the last query \\(position 6\\) is past the last key \\(position 5\\)"),
     (lambda s: ops.causal_softmax(s, 1.0, -1, 0), "must be >= 0"),
-    (lambda s: ops.causal_softmax(s, 1.0, 4, 0, window=-3), "must be >= 0"),
-    (lambda s: ops.causal_softmax(s, 1.0, 4, 0, sinks=torch.zeros(3)), "sinks must be float32 \\[2\\]"),
-    (lambda s: ops.causal_softmax(s, 1.0, 4, 0, sinks=torch.zeros(2, dtype=torch.bfloat16)), "sinks must be float32"),
+    (lambda s: ops.causal_softmax(s, 1.0, 3, 0, window=-3), "must be >= 0"),
+    (lambda s: ops.causal_softmax(s, 1.0, 3, 0, sinks=torch.zeros(3)), "sinks must be float32 \\[2\\]"),
+    (lambda s: ops.causal_softmax(s, 1.0, 3, 0, sinks=torch.zeros(2, dtype=torch.bfloat16)), "sinks must be float32"),
 ])
 def test_bad_inputs_are_refused_by_name(call, message):
     with pytest.raises((ValueError, RuntimeError), match=message):  # layout checks raise RuntimeError
