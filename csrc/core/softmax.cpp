@@ -24,18 +24,27 @@ void softmax_row(const CausalSoftmaxArgs& a, int64_t r, float* __restrict buf) {
   const char* in = static_cast<const char*>(a.scores) + r * L * dtype_size(D);
   float m = a.sinks ? a.sinks[r / a.queries] : -std::numeric_limits<float>::infinity();
   f32x16 maxes = simd::splat(m);  // in vectors: a float max reduction does not vectorize by itself
+  simd::i32x16 unbounded = {};     // a NaN or +inf score (vexp would clamp it to a number)
+  const f32x16 inf = simd::splat(std::numeric_limits<float>::infinity());
   int64_t j = lo;
   for (; j + 16 <= hi; j += 16) {
     const f32x16 x = simd::load<D>(in + j * dtype_size(D)) * a.scale;
     std::memcpy(buf + j, &x, 64);
     maxes = simd::vmax(maxes, x);
+    unbounded |= ~(x < inf);
   }
-  for (int k = 0; k < 16; ++k) m = std::max(m, maxes[k]);
+  bool nan_row = false;
+  for (int k = 0; k < 16; ++k) m = std::max(m, maxes[k]), nan_row |= unbounded[k] != 0;
   for (; j < hi; ++j) {
     buf[j] = load_f32<D>(in, j) * a.scale;
     m = std::max(m, buf[j]);
+    nan_row |= !(buf[j] < inf[0]);
   }
-  // every row sees its own key, so m is finite unless the scores are not (then the row is NaN, as torch's)
+  if (nan_row) {  // as torch's softmax: the whole row NaN
+    std::fill(buf, buf + L, std::numeric_limits<float>::quiet_NaN());
+    return store_row(buf, static_cast<char*>(a.probs) + r * L * dtype_size(D), L, D);
+  }
+  // every row sees its own key, so m is finite here
   f32x16 sums = {};
   for (j = lo; j + 16 <= hi; j += 16) {
     const f32x16 e = simd::vexp(simd::load_f32(buf + j) - m);

@@ -65,6 +65,19 @@ def test_large_scores_do_not_overflow():
     torch.testing.assert_close(out, reference(scores, 1.0, 2, 0), rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_inf_score_makes_its_row_nan_as_torch(bad):
+    """The exp clamps its input, so a NaN would have turned into a number: the row is NaN instead, as torch's
+    softmax gives it; the other rows are untouched. Both in the vector body and in the tail of a row."""
+    scores = torch.randn(2, 3, 37, dtype=torch.bfloat16)
+    scores[0, 2, 5] = bad   # body
+    scores[1, 2, 33] = bad  # tail
+    out = ops.causal_softmax(scores, 1.0, 34, 0)
+    want = reference(scores, 1.0, 34, 0)
+    assert out[0, 2].isnan().all() and out[1, 2].isnan().all() and want[0, 2].isnan().all()
+    torch.testing.assert_close(out.float(), want.float(), equal_nan=True, **TOLERANCE[torch.bfloat16])
+
+
 @pytest.mark.parametrize("call,message", [
     (lambda s: ops.causal_softmax(s[0], 1.0, 3, 0), "scores must be 3-D"),
     (lambda s: ops.causal_softmax(s.transpose(1, 2), 1.0, 3, 0), "scores must be contiguous"),
