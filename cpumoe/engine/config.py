@@ -62,8 +62,8 @@ class EngineConfig:
     num_blocks: int | None = None          # KV-cache blocks; None: as many as kv_cache_bytes holds
     kv_cache_bytes: int = 2 << 30          # KV-cache budget (all layers, K and V) when num_blocks is None
     # token budget of one step (decodes + prefill chunks). 2048: prompts that wait together prefill in one step,
-    # whose expert GEMMs run at a better rate than four steps of 512 (the serving load of README "Serving under
-    # load": 99.7-101.3 output tok/s offline against 96.2-99.0 at 512, the mean TTFT alike)
+    # whose expert GEMMs run at a better rate than four steps of 512 (measured: README, "Prefill steps and the step
+    # budget")
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64                 # running sequences at most
     max_model_len: int | None = None       # prompt + completion; None: the checkpoint's max_position_embeddings
