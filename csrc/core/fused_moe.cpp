@@ -79,6 +79,11 @@ std::vector<Item> make_items(const std::vector<int64_t>& offsets, int64_t blocks
   return items;
 }
 
+// The weight block an item reads: weights of `blocks` blocks an expert, `bytes` each.
+const char* block_of(const void* weights, const Item& it, int64_t blocks, int64_t bytes) {
+  return static_cast<const char*>(weights) + (it.expert * blocks + it.block) * bytes;
+}
+
 // The combine's sum, written so the compiler vectorizes it.
 void add_row(float* __restrict acc, const float* __restrict y, int64_t n) {
   for (int64_t h = 0; h < n; ++h) acc[h] += y[h];
@@ -261,7 +266,7 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
     t.a_rows = a13 + it.row_begin;
     t.rows = it.rows;
     t.k = geo.k13;
-    t.b = static_cast<const char*>(a.w13) + (it.expert * geo.blocks13 + it.block) * geo.bytes13;
+    t.b = block_of(a.w13, it, geo.blocks13, geo.bytes13);
     t.bias = a.w13_bias ? a.w13_bias + (it.expert * geo.blocks13 + it.block) * kBlockCols : nullptr;
     t.out = inter + (it.row_begin * Ip + it.block * kW13BlockInter) * inter_es;
     t.out_stride = Ip;
@@ -271,6 +276,10 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
     t.group = a.group13;
     t.symmetric = a.symmetric13;
     t.stream_out = stream_inter;
+    if (i + 1 < int64_t(items13.size())) {
+      t.next_b = block_of(a.w13, items13[i + 1], geo.blocks13, geo.bytes13);
+      t.next_bytes = geo.bytes13;
+    }
     w13_tile(t);
     if (stream_inter) store_fence();
   });
@@ -291,7 +300,7 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
     t.a_rows = a2 + it.row_begin;
     t.rows = it.rows;
     t.k = Ip;
-    t.b = static_cast<const char*>(a.w2) + (it.expert * geo.blocks2 + it.block) * geo.bytes2;
+    t.b = block_of(a.w2, it, geo.blocks2, geo.bytes2);
     t.bias = a.w2_bias ? a.w2_bias + it.expert * Hp + it.block * kBlockCols : nullptr;
     t.row_scale = w2_scale ? w2_scale + it.row_begin : nullptr;
     t.out = ys + it.row_begin * Hp + it.block * kBlockCols;
@@ -301,6 +310,10 @@ void fused_moe(const FusedMoeArgs& a, const Parallel& parallel) {
     t.group = a.group2;
     t.symmetric = a.symmetric2;
     t.stream_out = stream_ys;
+    if (i + 1 < int64_t(items2.size())) {
+      t.next_b = block_of(a.w2, items2[i + 1], geo.blocks2, geo.bytes2);
+      t.next_bytes = geo.bytes2;
+    }
     w2_tile(t);
     if (stream_ys) store_fence();
   });

@@ -22,6 +22,8 @@ struct GemmTile {
   bool symmetric;             // int4_w4a16: blocks without zero points (quant.h); else unused
   bool stream_out;            // may write its rows past the caches (non-temporal stores, the caller fences); out
                               // and its rows are then 64-byte aligned
+  const void* next_b;         // the block this thread's next call reads (next_bytes long), or nullptr: a kernel
+  int64_t next_bytes;         // whose later row tiles reuse a cached block may fetch it into L2 meanwhile
 };
 
 // Decode attention over a paged KV cache (attention.h drives it): one query token per sequence, the g = nh /

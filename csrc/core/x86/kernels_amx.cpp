@@ -35,10 +35,12 @@ constexpr int64_t kPairBytes = kBlockCols * 2 * 2;  // a k-pair of a block: 64 c
 // it read the block in two strided passes). stream: the call's first row group, which reads the block from memory.
 // after_step(step, steps): amx::pipelined_row_tiles' hook, called after each k-step.
 template <class AfterStep>
-void sum_tiles(const char* a, int64_t a_stride, const char* b, int64_t pairs, bool stream, AfterStep after_step) {
+void sum_tiles(const char* a, int64_t a_stride, const char* b, int64_t pairs, bool stream, AfterStep after_step,
+               amx::NextBlockFetch next = {}) {
   amx::zero_accumulators();
   for (int64_t p = 0; p < pairs; p += kTilePairs) {
     if (stream) amx::prefetch_ahead(b + p * kPairBytes, kTilePairs * kPairBytes);
+    next.step(p / kTilePairs);
     CPUMOE_AMX_K_STEP(_tile_dpbf16ps, a + p * 4, a_stride, b + p * kPairBytes);
     after_step(p / kTilePairs, pairs / kTilePairs);
   }
@@ -72,6 +74,7 @@ void chunked_group(const GemmTile& t, int first, int n, float* c, const float* c
   const int64_t chunks = (t.k + t.group - 1) / t.group;
   const auto end_of = [&](int64_t ci) { return std::min((ci + 1) * t.group, t.k) / 2; };  // k-pairs
   if (first == 0) widening.widen(widening.context, 0, end_of(0));
+  const auto next = amx::NextBlockFetch::for_tile(t, first, t.k / 2 / kTilePairs);
   alignas(64) float chunk[kTileRows * 64];
   for (int i = 0; i < n * 64; i += 16) _mm512_store_ps(c + i, _mm512_setzero_ps());
   for (int64_t ci = 0; ci < chunks; ++ci) {
@@ -84,7 +87,7 @@ void chunked_group(const GemmTile& t, int first, int n, float* c, const float* c
           step + 1 == steps ? next_end : p1 + (next_end - p1) * (step + 1) / steps / kTilePairs * kTilePairs;
       if (upto > widened_to) widening.widen(widening.context, widened_to, upto);
       widened_to = std::max(widened_to, upto);
-    });
+    }, next.from_step(p0 / kTilePairs));
     amx::store_accumulators(chunk);
     for (int r = 0; r < n; ++r)
       for (int q = 0; q < 4; ++q) {
@@ -121,7 +124,9 @@ void run(const GemmTile& t, Epilogue epilogue, TileFn fewer_rows, const BlockWid
         [&](int first, int n, auto after_step) {
           int64_t stride;
           const char* a = amx::tile_rows(t.a_rows + first, n, t.k * 2, &stride);
-          if (first != 0 || !widening) return sum_tiles(a, stride, b, whole, /*stream=*/first == 0, after_step);
+          if (first != 0 || !widening)
+            return sum_tiles(a, stride, b, whole, /*stream=*/first == 0, after_step,
+                             amx::NextBlockFetch::for_tile(t, first, whole / kTilePairs));
           // Two k-steps ahead of the tile products; the block is in this thread's scratch, not streamed.
           const auto widen = [&](int64_t step) {
             if (step * kTilePairs < whole)

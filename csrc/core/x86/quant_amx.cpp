@@ -38,7 +38,7 @@ inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
 
 // int8_w8a8 over a call's rows, 16 at a time (amx::pipelined_row_tiles: the AMX unit sums a tile while the vector
 // units rescale the one before). The call's first tile reads the block from memory and prefetches it
-// (amx::prefetch_ahead); the later ones find it in L2.
+// (amx::prefetch_ahead); the later ones find it in L2 and fetch the next call's (amx::NextBlockFetch).
 struct AmxInt8Rows {
   const GemmTile& t;
   const uint8_t* b;
@@ -50,9 +50,11 @@ struct AmxInt8Rows {
   void products(int first, int n, AfterStep after_step) const {
     int64_t stride;
     const uint8_t* a = reinterpret_cast<const uint8_t*>(amx::tile_rows(t.a_rows + first, n, t.k, &stride));
+    const auto next = amx::NextBlockFetch::for_tile(t, first, whole / kStepK);
     amx::zero_accumulators();
     for (int64_t k = 0; k < whole; k += kStepK) {
       if (first == 0) amx::prefetch_ahead(b + (k / 4) * kQuadBytes, 16 * kQuadBytes);
+      next.step(k / kStepK);
       CPUMOE_AMX_K_STEP(_tile_dpbusd, a + k, stride, b + (k / 4) * kQuadBytes);
       after_step(k / kStepK, whole / kStepK);
     }
