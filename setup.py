@@ -23,6 +23,8 @@ ISA_FLAGS = {
                       "-mamx-tile", "-mamx-int8", "-mfma", "-mf16c", "-ffp-contract=off"],
     "attention_amx.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mamx-tile",
                           "-mamx-bf16", "-mfma", "-mf16c"],
+    "prefill_attention_amx.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                                  "-mamx-tile", "-mamx-bf16", "-mfma", "-mf16c"],
     "attention_avx512bf16.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                                  "-mfma", "-mf16c"],
     # -ffp-contract=off: the A8 tiles repeat quant_generic's float operations exactly (see their headers)

@@ -166,6 +166,21 @@ def causal_softmax(scores: torch.Tensor, scale: float, first_query: int, first_k
     return torch.ops.cpumoe.causal_softmax(scores, scale, first_query, first_key, window, sinks)
 
 
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, window: int = 0,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One prefill chunk's causal attention in one pass (csrc/core/prefill_attention.h): q [nh, T, d] (the last T of
+    the L key positions), k [nkv, L, d], v [nkv, L, dv], each with contiguous rows -> [nh, T, dv] (a view of
+    token-major memory). A query sees the keys at or before its position, and with a window (> 0) only those after
+    position - window; sinks: float32 [nh], a logit per head that joins the denominator only. Runs where
+    prefill_attention_backend() names a backend (bf16, head sizes a multiple of 32); raises elsewhere."""
+    return torch.ops.cpumoe.prefill_attention(q, k, v, scale, window, sinks)
+
+
+def prefill_attention_backend() -> str:
+    """The kernel backend that runs prefill_attention here ('' when none)."""
+    return _C.prefill_attention_backend()
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's most likely token: logits float32 [B, V] -> int64 [B], the first of equal maxima (as torch.argmax),
     or NO_TOKEN for a row that holds a NaN (csrc/core/greedy.h). One op where argmax and a NaN check were four."""
@@ -303,6 +318,12 @@ def _causal_softmax_fake(scores, scale, first_query, first_key, window, sinks):
 def _add_rms_norm_fake(x, residual, weight, eps, weight_in_float=False):
     _no_meta_weights(x, weight=weight)
     return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.register_fake("cpumoe::prefill_attention")
+def _prefill_attention_fake(q, k, v, scale, window, sinks):
+    _no_meta_weights(q, k=k, v=v, sinks=sinks)
+    return q.new_empty(q.shape[1], q.shape[0], v.shape[2]).transpose(0, 1)
 
 
 @torch.library.register_fake("cpumoe::greedy_tokens")

@@ -24,6 +24,7 @@
 #include "../core/routing.h"
 #include "../core/attention.h"
 #include "../core/norm.h"
+#include "../core/prefill_attention.h"
 #include "../core/rope.h"
 #include "../core/softmax.h"
 #include "../core/pack.h"
@@ -773,6 +774,46 @@ at::Tensor causal_softmax_op(const at::Tensor& scores, double scale, int64_t fir
   return probs;
 }
 
+// One prefill chunk's causal attention, flash-style; see prefill_attention.h. q [nh, T, d], k [nkv, L, d],
+// v [nkv, L, dv] with rows of d contiguous (any strides between them) -> [nh, T, dv], stored token-major.
+at::Tensor prefill_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                int64_t window, const std::optional<at::Tensor>& sinks) {
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->dim() == 3, name, " must be a 3-d CPU tensor, got ", t->sizes());
+    TORCH_CHECK_VALUE(t->stride(2) == 1 || t->size(2) == 1, name, "'s rows must be contiguous, got strides ",
+                      t->strides());
+    TORCH_CHECK_VALUE(t->scalar_type() == q.scalar_type(), name, " must be ", q.scalar_type(), " like q, got ",
+                      t->scalar_type());
+  }
+  PrefillAttentionArgs a;
+  a.dtype = to_dtype(q, "q");
+  a.nh = q.size(0), a.T = q.size(1), a.d = q.size(2);
+  a.nkv = k.size(0), a.L = k.size(1), a.dv = v.size(2);
+  TORCH_CHECK_VALUE(a.nkv > 0 && a.nh % a.nkv == 0 && k.size(2) == a.d && v.size(0) == a.nkv && v.size(1) == a.L,
+                    "prefill_attention: q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
+                    " do not fit (q [nh, T, d], k [nkv, L, d], v [nkv, L, dv], nh a multiple of nkv)");
+  TORCH_CHECK_VALUE(a.T <= a.L, "prefill_attention: ", a.T, " queries over ", a.L,
+                    " keys (the queries are the last T of the keys' positions)");
+  TORCH_CHECK_VALUE(window >= 0, "prefill_attention: window must be >= 0 (0: none), got ", window);
+  if (sinks) {
+    check_dense(*sinks, "sinks", 1);
+    TORCH_CHECK_VALUE(sinks->scalar_type() == at::kFloat && sinks->size(0) == a.nh, "sinks must be float32 [", a.nh,
+                      "] (one logit a head), got ", sinks->scalar_type(), " ", sinks->sizes());
+    a.sinks = sinks->data_ptr<float>();
+  }
+  if (const char* why = prefill_attention_unsupported(a)) TORCH_CHECK_VALUE(false, "prefill_attention: ", why);
+  at::Tensor out = new_output({a.T, a.nh, a.dv}, q.options());
+  a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr(), a.out = out.data_ptr();
+  a.q_head_stride = q.stride(0), a.q_token_stride = q.stride(1);
+  a.k_head_stride = k.stride(0), a.k_token_stride = k.stride(1);
+  a.v_head_stride = v.stride(0), a.v_token_stride = v.stride(1);
+  a.window = window;
+  a.scale = float(scale);
+  prefill_attention(a, kernel_parallel());
+  check_output_guards(out, "prefill_attention");
+  return out.transpose(0, 1);
+}
+
 // Logits [B, V] float32 -> int64 [B]: each row's argmax, kNoToken for a row with a NaN; see greedy.h.
 at::Tensor greedy_tokens_op(const at::Tensor& logits) {
   check_dense(logits, "logits", 2);
@@ -801,6 +842,7 @@ TORCH_LIBRARY(cpumoe, m) {
         "-> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_begin, "
         "Tensor key_end, float scale, Tensor? sinks, str backend=\"\") -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int window, Tensor? sinks) -> Tensor");
   m.def("greedy_tokens(Tensor logits) -> Tensor");
   m.def("pack_w13(Tensor w13, str backend) -> Tensor");
   m.def("pack_w2(Tensor w2, str backend) -> Tensor");
@@ -832,6 +874,7 @@ TORCH_LIBRARY_IMPL(cpumoe, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm_op);
   m.impl("rope_and_cache", &rope_and_cache_op);
   m.impl("causal_softmax", &causal_softmax_op);
+  m.impl("prefill_attention", &prefill_attention_op);
   m.impl("greedy_tokens", &greedy_tokens_op);
 }
 
@@ -899,6 +942,8 @@ PYBIND11_MODULE(_C, m) {
     return std::string(kt.attention_scope ? kt.attention_scope : "");
   }, "The calls a backend's decode attention hands to another backend's kernel, in words ('' when none)",
         pybind11::arg("backend"));
+  m.def("prefill_attention_backend", [] { return std::string(cpumoe::prefill_attention_backend()); },
+        "The kernel backend that runs prefill_attention here ('' when none: the torch maths runs)");
   m.def("set_output_guards", [](bool on) { cpumoe::output_guards() = on; },
         "Test aid: outputs get guard bytes around them, checked by every op before it returns");
   m.def("check_output_guards", [](const at::Tensor& out) { cpumoe::check_output_guards(out, "a write"); },

@@ -2,6 +2,7 @@
 // the AVX-512 BF16 unit widens as the tiles go, and mxfp4 prefill, over a block it widens itself the same way.
 #pragma once
 #include "../kernels.h"
+#include "../prefill_attention.h"
 
 namespace cpumoe {
 
@@ -30,5 +31,8 @@ void amx_scaled_w2_tile(const GemmTile& t, const float* row_scales, const BlockW
 // and block sizes a multiple of 16; the other calls run x86-avx512bf16's kernel.
 void amx_decode_attention(const DecodeAttentionArgs& a, int64_t seq, int64_t kv_head);
 extern const char* const kAmxAttentionScope;  // what it hands to x86-avx512bf16's kernel, in words
+
+// Prefill attention (prefill_attention_amx.cpp): bf16, head sizes a multiple of 32 (prefill_attention.cpp checks).
+void amx_prefill_attention(const PrefillAttentionArgs& a, const Parallel& parallel);
 
 }  // namespace cpumoe
