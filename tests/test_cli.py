@@ -23,6 +23,8 @@ def test_info_names_choice_and_every_backend(capsys):
     from cpumoe import ops
     assert f"decode attention runs on {ops.attention_backends()[0]}" in out
     assert ops.attention_scope(ops.attention_backends()[0]) in " ".join(out.split())  # what it hands on, if anything
+    prefill = ops.prefill_attention_backend()
+    assert (f"prefill attention runs on {prefill}" if prefill else "prefill attention runs the blocked torch") in out
     from cpumoe.memory import huge_page_advice
     # the kernel's settings (the free memory after them moves from one read to the next)
     settings = huge_page_advice().split(";")[0]

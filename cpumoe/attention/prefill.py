@@ -15,8 +15,15 @@ On 2 Zen 4 cores this runs 512-token prompts about 2.5x faster than SDPA's fused
 inner GEMMs are small; the probabilities are rounded to the model dtype before the second GEMM as flash does.
 Where torch has no vector GEMM for the model dtype (bf16 on an AVX2 CPU: cpumoe.torch_gemm) the GEMMs run on
 float32 copies and their results are rounded to the model dtype as the bf16 GEMM rounds them: the same maths.
+
+Where a kernel backend has a prefill attention kernel (x86-amx: bf16, head sizes a multiple of 32), the same
+maths runs there in one pass instead (ops.prefill_attention, csrc/core/prefill_attention.h): the scores stay in
+float32 and in the core's caches.
 """
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 
@@ -24,6 +31,30 @@ from cpumoe import ops
 from cpumoe.torch_gemm import gemm_dtype
 
 BLOCK = 64
+log = logging.getLogger(__name__)
+
+
+def prefill_kernel_refusal(dtype: torch.dtype, d: int, dv: int) -> str | None:
+    """Why ops.prefill_attention cannot run a chunk of this dtype and these head sizes here (None: it can)."""
+    backend = ops.prefill_attention_backend()
+    if not backend:
+        return "no kernel backend here has a prefill attention kernel (x86-amx needs AMX-BF16)"
+    if dtype != torch.bfloat16:
+        return f"{backend}'s prefill attention takes bf16, not {dtype}"
+    if d % 32 or dv % 32:
+        return f"{backend}'s prefill attention takes head sizes that are multiples of 32, not {d} and {dv}"
+    return None
+
+
+@functools.cache
+def _uses_kernel(dtype: torch.dtype, d: int, dv: int) -> bool:
+    why = prefill_kernel_refusal(dtype, d, dv)
+    if why is None:
+        log.info("prefill attention (%s, heads of %d / %d): the %s kernel", dtype, d, dv,
+                 ops.prefill_attention_backend())
+    else:
+        log.info("prefill attention (%s, heads of %d / %d): the blocked torch maths, since %s", dtype, d, dv, why)
+    return why is None
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
@@ -36,6 +67,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
         raise ValueError(f"causal_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not fit")
     g, offset = nh // nkv, L - T  # query t sits at position offset + t
     scale = d ** -0.5 if scale is None else scale
+    if _uses_kernel(q.dtype, d, dv):
+        return ops.prefill_attention(q, k, v, scale, window=sliding_window or 0,
+                                     sinks=None if sinks is None else sinks.float().contiguous())
     compute = gemm_dtype(q.dtype)
     qg, k, v = q.view(nkv, g, T, d).to(compute), k.to(compute), v.to(compute)
     out = torch.empty(nkv, g, T, dv, dtype=q.dtype)
@@ -50,3 +84,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
         out[:, :, t0:t1] = torch.bmm(probs.to(compute).view(nkv, g * n, last - first),
                                      v[:, first:last]).view(nkv, g, n, dv)
     return out.view(nh, T, dv)
+
+
+def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                               sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """causal_attention's maths in plain torch, the reference its paths are tested against: the full score matrix
+    in float32, explicit masks, sinks as an extra column of the softmax. Returns float32 [nh, T, dv]."""
+    nh, T, d = q.shape
+    nkv, L, _ = k.shape
+    scale = d ** -0.5 if scale is None else scale
+    kk = k.float().repeat_interleave(nh // nkv, 0)
+    vv = v.float().repeat_interleave(nh // nkv, 0)
+    scores = q.float() @ kk.transpose(1, 2) * scale  # [nh, T, L]
+    position = torch.arange(L - T, L)[:, None]
+    key = torch.arange(L)[None, :]
+    hidden = key > position
+    if sliding_window is not None:
+        hidden |= key <= position - sliding_window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float().view(nh, 1, 1).expand(nh, T, 1)), -1)
+        return scores.softmax(-1)[..., :-1] @ vv
+    return scores.softmax(-1) @ vv

@@ -6,26 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cpumoe.attention import prefill
 from cpumoe.attention.prefill import BLOCK, causal_attention
-
-
-def reference(q, k, v, *, scale=None, sliding_window=None, sinks=None):
-    nh, T, d = q.shape
-    nkv, L, _ = k.shape
-    scale = d ** -0.5 if scale is None else scale
-    kk = k.float().repeat_interleave(nh // nkv, 0)
-    vv = v.float().repeat_interleave(nh // nkv, 0)
-    scores = q.float() @ kk.transpose(1, 2) * scale  # [nh, T, L]
-    pos = torch.arange(L - T, L)[:, None]
-    key = torch.arange(L)[None, :]
-    hidden = key > pos
-    if sliding_window is not None:
-        hidden |= key <= pos - sliding_window
-    scores = scores.masked_fill(hidden, float("-inf"))
-    if sinks is not None:
-        scores = torch.cat((scores, sinks.float().view(nh, 1, 1).expand(nh, T, 1)), -1)
-        return (scores.softmax(-1)[..., :-1] @ vv)
-    return scores.softmax(-1) @ vv
+from cpumoe.attention.prefill import causal_attention_reference as reference
 
 
 CASES = [  # (nh, nkv, T, L, d, dv)
@@ -47,8 +30,18 @@ def test_matches_reference_fp32(case, window, with_sinks):
     torch.testing.assert_close(out, ref, atol=1e-5 * ref.abs().max().item(), rtol=0, msg=f"{case}")
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """bf16 chunks run the prefill attention kernel where there is one; "torch" forces the blocked torch maths."""
+    if request.param == "kernel" and prefill.prefill_kernel_refusal(torch.bfloat16, 64, 64):
+        pytest.skip(prefill.prefill_kernel_refusal(torch.bfloat16, 64, 64))
+    if request.param == "torch":
+        monkeypatch.setattr(prefill, "_uses_kernel", lambda dtype, d, dv: False)
+    return request.param
+
+
 @pytest.mark.parametrize("T,L", [(1, 1), (100, 100), (40, 300)])
-def test_bf16_matches_sdpa(T, L):
+def test_bf16_matches_sdpa(T, L, path):
     g = torch.Generator().manual_seed(T)
     q = torch.randn(1, 8, T, 64, generator=g).bfloat16()
     k, v = (torch.randn(1, 2, L, 64, generator=g).bfloat16() for _ in range(2))
