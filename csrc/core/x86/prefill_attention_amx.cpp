@@ -77,15 +77,17 @@ void lay_out_tile(const PrefillAttentionArgs& a, const Layouts& lay, int64_t kv,
 struct Scratch {
   float* scores;   // [16][32]
   uint16_t* p;     // [16][32] bf16
+  float* sums;     // [16][16]: each row's denominator, in lanes (summed across them at the end)
   float* acc;      // [16][dv]
   uint16_t* q;     // [16][d] bf16, a tile of fewer than 16 queries padded with zero rows
   explicit Scratch(const PrefillAttentionArgs& a) {
     thread_local std::vector<uint32_t> words;
-    uint32_t* base = aligned_words(words, kRows * kStep + kRows * kStep / 2 + kRows * a.dv + kRows * a.d / 2);
+    uint32_t* base = aligned_words(words, kRows * kStep * 3 / 2 + kRows * 16 + kRows * a.dv + kRows * a.d / 2);
     scores = reinterpret_cast<float*>(base);
     p = reinterpret_cast<uint16_t*>(base + kRows * kStep);
-    acc = reinterpret_cast<float*>(base + kRows * kStep + kRows * kStep / 2);
-    q = reinterpret_cast<uint16_t*>(base + kRows * kStep + kRows * kStep / 2 + kRows * a.dv);
+    sums = reinterpret_cast<float*>(base + kRows * kStep * 3 / 2);
+    acc = sums + kRows * 16;
+    q = reinterpret_cast<uint16_t*>(acc + kRows * a.dv);
   }
 };
 
@@ -115,10 +117,10 @@ void query_tile(const PrefillAttentionArgs& a, const Layouts& lay, int64_t head,
   const int64_t lo_max = lo[n - 1], hi_min = hi[0];
 
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  float m[kRows], l[kRows];
+  float m[kRows];
   bool unbounded[kRows];  // a NaN or +inf score: the row comes out NaN
   std::fill(m, m + kRows, neg_inf);
-  std::fill(l, l + kRows, 0.0f);
+  std::fill(w.sums, w.sums + kRows * 16, 0.0f);
   std::fill(unbounded, unbounded + kRows, false);
   std::fill(w.acc, w.acc + kRows * a.dv, 0.0f);
   const __m512 scale = _mm512_set1_ps(a.scale), minus_inf = _mm512_set1_ps(neg_inf);
@@ -157,7 +159,7 @@ void query_tile(const PrefillAttentionArgs& a, const Layouts& lay, int64_t head,
         if (_mm512_mask_cmp_ps_mask(seen[h], x[h], inf, _CMP_NLT_UQ)) unbounded[r] = true;
       }
       uint16_t* p_row = w.p + r * kStep;
-      const float m_new = std::max(m[r], std::max(reduce_max(x[0]), reduce_max(x[1])));
+      const float m_new = std::max(m[r], reduce_max(_mm512_max_ps(x[0], x[1])));
       if (m_new == neg_inf || unbounded[r]) {  // no key seen yet, or a NaN row: weights 0
         std::memset(p_row, 0, 2 * kStep);
         continue;
@@ -173,16 +175,16 @@ void query_tile(const PrefillAttentionArgs& a, const Layouts& lay, int64_t head,
           _mm512_castsi512_si256(bf)), 16));
       const __m512 rounded_high = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
           _mm512_extracti64x4_epi64(bf, 1)), 16));
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(rounded_low, rounded_high));
-      if (m_new != m[r]) {
-        const float correction = m[r] == neg_inf ? 0.0f : std::exp(m[r] - m_new);
-        l[r] *= correction;
+      float* sums = w.sums + 16 * r;
+      __m512 sum = _mm512_load_ps(sums);
+      if (m_new != m[r]) {  // what earlier steps summed, rescaled to the new maximum
+        const __m512 f = _mm512_set1_ps(m[r] == neg_inf ? 0.0f : std::exp(m[r] - m_new));
+        sum = _mm512_mul_ps(sum, f);
         float* acc = w.acc + r * a.dv;
-        const __m512 f = _mm512_set1_ps(correction);
         for (int64_t i = 0; i < a.dv; i += 16) _mm512_store_ps(acc + i, _mm512_mul_ps(_mm512_load_ps(acc + i), f));
         m[r] = m_new;
       }
-      l[r] += sum;
+      _mm512_store_ps(sums, _mm512_add_ps(sum, _mm512_add_ps(rounded_low, rounded_high)));
     }
 
     // values: acc[16][dv] += P[16][32 keys] . V[32 keys][dv], four column tiles at a time
@@ -214,7 +216,7 @@ void query_tile(const PrefillAttentionArgs& a, const Layouts& lay, int64_t head,
   }
 
   for (int r = 0; r < n; ++r) {
-    float denom = l[r];
+    float denom = _mm512_reduce_add_ps(_mm512_load_ps(w.sums + 16 * r));
     if (a.sinks) denom += std::exp(a.sinks[head] - m[r]);
     const float inv = unbounded[r] ? std::numeric_limits<float>::quiet_NaN() : 1.0f / denom;
     const float* acc = w.acc + r * a.dv;
