@@ -1,5 +1,6 @@
 """Paged attention over the engine's KV cache: decoding sequences in one kernel call (decode_attention), prefill
-chunks through the blocked causal GEMMs (prefill.causal_attention), and the batch-invariant row form (row_attention).
+chunks through prefill.causal_attention (a one-pass kernel or blocked causal GEMMs), and the batch-invariant row
+form (row_attention).
 decode_attention_reference is the kernel's maths in torch, what its tests compare against."""
 from __future__ import annotations
 
@@ -64,8 +65,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     sinks: torch.Tensor | None = None, sliding_window: int | None = None,
                     scale: float | None = None) -> torch.Tensor:
     """Paged attention: all decoding sequences in one batched call (decode_attention); each prefill chunk gathers
-    its cached K/V blocks and runs prefill_attention.causal_attention (blocked causal GEMMs, GQA without repeating
-    K/V; 2x SDPA's fused CPU kernel at 512 tokens).
+    its cached K/V blocks and runs prefill.causal_attention (ops.prefill_attention where a backend has it, else
+    blocked causal GEMMs; GQA without repeating K/V either way).
     q [T, nh, d]; k_cache, v_cache [num_blocks, block_size, nkv, d] -> [T, nh, d].
     With sinks [nh] (a per-head logit in the softmax denominator that adds no value, gpt-oss) or a sliding window
     (query at position p sees keys p - window < j <= p), decodes add the sink logit beside their scores and read only
