@@ -68,6 +68,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     g, offset = nh // nkv, L - T  # query t sits at position offset + t
     scale = d ** -0.5 if scale is None else scale
     if _uses_kernel(q.dtype, d, dv):
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernel reads whole rows
         return ops.prefill_attention(q, k, v, scale, window=sliding_window or 0,
                                      sinks=None if sinks is None else sinks.float().contiguous())
     compute = gemm_dtype(q.dtype)
