@@ -73,7 +73,7 @@ inline void prefetch_ahead(const void* at, int64_t bytes) {
 // first reuse their cached block. A call's first row tile streams its block at memory speed with the AMX unit
 // mostly idle and the later ones compute with the memory idle; this overlaps the two. At most kFetchLines a k-step:
 // the fetches hold the core's line fill buffers, and more of them starved the tiles' own loads. qwen3-30b-a3b's bf16
-// layer, alternated in one process: M = 2048 130-133 -> 122-124 ms; M = 512 and 128 the same. 6 lines a step: a
+// layer, alternated in one process: M = 2048 129.5-136.2 -> 121.8-125.0 ms; M = 512 and 128 the same. 6 lines a step: a
 // smaller gain; the whole block, as fast as it would go: M = 512 1.2x slower. Slices of the block per row tile, or
 // a few lines a 4 KB page to wake the L2 streamer: no better.
 struct NextBlockFetch {
