@@ -131,11 +131,12 @@ def _cmd_info(args) -> int:
     if scope := ops.attention_scope(attention[0]):
         console.print(f"  {attention[0]} {scope}")
     if prefill_backend := ops.prefill_attention_backend():
-        console.print(f"[bold]prefill attention[/] runs on [bold]{prefill_backend}[/] for bf16 heads of a multiple of "
-                      "32; other chunks run the blocked torch maths")
+        console.print(f"[bold]prefill attention[/] runs on [bold]{prefill_backend}[/] where it takes the chunk, else "
+                      "the blocked torch maths (float32: "
+                      f"{escape(ops.prefill_attention_refusal(torch.float32, 128, 128))})")
     else:
-        console.print("[bold]prefill attention[/] runs the blocked torch maths (no backend here has a prefill "
-                      "attention kernel; x86-amx needs AMX-BF16)")
+        console.print("[bold]prefill attention[/] runs the blocked torch maths "
+                      f"({escape(ops.prefill_attention_refusal(torch.bfloat16, 128, 128))})")
     console.print(f"[bold]huge pages[/] the packed weights ask for 2 MB pages; {escape(huge_page_advice())}")
 
     preset, dtype = args.preset, args.dtype

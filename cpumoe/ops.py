@@ -171,14 +171,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     """One prefill chunk's causal attention in one pass (csrc/core/prefill_attention.h): q [nh, T, d] (the last T of
     the L key positions), k [nkv, L, d], v [nkv, L, dv], each with contiguous rows -> [nh, T, dv] (a view of
     token-major memory). A query sees the keys at or before its position, and with a window (> 0) only those after
-    position - window; sinks: float32 [nh], a logit per head that joins the denominator only. Runs where
-    prefill_attention_backend() names a backend (bf16, head sizes a multiple of 32); raises elsewhere."""
+    position - window; sinks: float32 [nh], a logit per head that joins the denominator only. Raises, saying why,
+    where prefill_attention_refusal gives a reason."""
     return torch.ops.cpumoe.prefill_attention(q, k, v, scale, window, sinks)
 
 
 def prefill_attention_backend() -> str:
     """The kernel backend that runs prefill_attention here ('' when none)."""
     return _C.prefill_attention_backend()
+
+
+def prefill_attention_refusal(dtype: torch.dtype, d: int, dv: int) -> str:
+    """Why prefill_attention cannot run chunks of this dtype and head sizes (d for q and k, dv for v) here, in
+    words ('' when it can)."""
+    return _C.prefill_attention_refusal(str(dtype).removeprefix("torch."), d, dv)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

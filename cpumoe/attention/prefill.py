@@ -16,8 +16,8 @@ inner GEMMs are small; the probabilities are rounded to the model dtype before t
 Where torch has no vector GEMM for the model dtype (bf16 on an AVX2 CPU: cpumoe.torch_gemm) the GEMMs run on
 float32 copies and their results are rounded to the model dtype as the bf16 GEMM rounds them: the same maths.
 
-Where a kernel backend has a prefill attention kernel (x86-amx: bf16, head sizes a multiple of 32), the same
-maths runs there in one pass instead (ops.prefill_attention, csrc/core/prefill_attention.h): the scores stay in
+Where a kernel backend has a prefill attention kernel that takes the chunk (ops.prefill_attention_refusal), the
+same maths runs there in one pass instead (ops.prefill_attention, csrc/core/prefill_attention.h): the scores stay in
 float32 and in the core's caches.
 """
 from __future__ import annotations
@@ -34,27 +34,16 @@ BLOCK = 64
 log = logging.getLogger(__name__)
 
 
-def prefill_kernel_refusal(dtype: torch.dtype, d: int, dv: int) -> str | None:
-    """Why ops.prefill_attention cannot run a chunk of this dtype and these head sizes here (None: it can)."""
-    backend = ops.prefill_attention_backend()
-    if not backend:
-        return "no kernel backend here has a prefill attention kernel (x86-amx needs AMX-BF16)"
-    if dtype != torch.bfloat16:
-        return f"{backend}'s prefill attention takes bf16, not {dtype}"
-    if d % 32 or dv % 32:
-        return f"{backend}'s prefill attention takes head sizes that are multiples of 32, not {d} and {dv}"
-    return None
-
-
 @functools.cache
 def _uses_kernel(dtype: torch.dtype, d: int, dv: int) -> bool:
-    why = prefill_kernel_refusal(dtype, d, dv)
-    if why is None:
+    """Whether chunks of this dtype and head sizes run ops.prefill_attention; logged once each."""
+    why = ops.prefill_attention_refusal(dtype, d, dv)
+    if not why:
         log.info("prefill attention (%s, heads of %d / %d): the %s kernel", dtype, d, dv,
                  ops.prefill_attention_backend())
     else:
         log.info("prefill attention (%s, heads of %d / %d): the blocked torch maths, since %s", dtype, d, dv, why)
-    return why is None
+    return not why
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,

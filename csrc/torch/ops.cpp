@@ -944,6 +944,16 @@ PYBIND11_MODULE(_C, m) {
         pybind11::arg("backend"));
   m.def("prefill_attention_backend", [] { return std::string(cpumoe::prefill_attention_backend()); },
         "The kernel backend that runs prefill_attention here ('' when none: the torch maths runs)");
+  m.def("prefill_attention_refusal", [](const std::string& dtype, int64_t d, int64_t dv) {
+    cpumoe::PrefillAttentionArgs a;
+    if (dtype == "float32") a.dtype = cpumoe::DType::kFloat32;
+    else if (dtype == "float16") a.dtype = cpumoe::DType::kFloat16;
+    else if (dtype != "bfloat16") return "cpumoe's kernels take float32, bfloat16 or float16, not " + dtype;
+    a.d = d, a.dv = dv;
+    const char* why = cpumoe::prefill_attention_unsupported(a);
+    return std::string(why ? why : "");
+  }, "Why prefill_attention cannot run chunks of this dtype (torch's name) and head sizes here ('' when it can)",
+        pybind11::arg("dtype"), pybind11::arg("d"), pybind11::arg("dv"));
   m.def("set_output_guards", [](bool on) { cpumoe::output_guards() = on; },
         "Test aid: outputs get guard bytes around them, checked by every op before it returns");
   m.def("check_output_guards", [](const at::Tensor& out) { cpumoe::check_output_guards(out, "a write"); },

@@ -99,6 +99,16 @@ def test_bad_input_raises():
         ops.prefill_attention(q, k, v, 1.0, window=-1)
 
 
+def test_refusal_names_the_reason():
+    if BACKEND:
+        assert ops.prefill_attention_refusal(torch.bfloat16, 128, 64) == ""
+        assert "bf16" in ops.prefill_attention_refusal(torch.float32, 128, 128)
+        assert "multiples of 32" in ops.prefill_attention_refusal(torch.bfloat16, 80, 64)
+    else:
+        assert "no backend here" in ops.prefill_attention_refusal(torch.bfloat16, 128, 128)
+    assert "not int8" in ops.prefill_attention_refusal(torch.int8, 128, 128)
+
+
 @pytest.mark.skipif(bool(BACKEND), reason="this machine has a prefill attention kernel")
 def test_no_kernel_says_why():
     q, k, v, _ = inputs(4, 2, 8, 8, 32, 32)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cpumoe import ops
 from cpumoe.attention import prefill
 from cpumoe.attention.prefill import BLOCK, causal_attention
 from cpumoe.attention.prefill import causal_attention_reference as reference
@@ -33,8 +34,8 @@ def test_matches_reference_fp32(case, window, with_sinks):
 @pytest.fixture(params=["kernel", "torch"])
 def path(request, monkeypatch):
     """bf16 chunks run the prefill attention kernel where there is one; "torch" forces the blocked torch maths."""
-    if request.param == "kernel" and prefill.prefill_kernel_refusal(torch.bfloat16, 64, 64):
-        pytest.skip(prefill.prefill_kernel_refusal(torch.bfloat16, 64, 64))
+    if request.param == "kernel" and (why := ops.prefill_attention_refusal(torch.bfloat16, 64, 64)):
+        pytest.skip(why)
     if request.param == "torch":
         monkeypatch.setattr(prefill, "_uses_kernel", lambda dtype, d, dv: False)
     return request.param
