@@ -39,6 +39,12 @@ inline void configure_tiles(int k_bytes = 64) {
   asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
+// n 32-bit words of `words` (resized to hold them) from its first 64-byte boundary: a tile's rows load aligned.
+inline uint32_t* aligned_words(std::vector<uint32_t>& words, int64_t n) {
+  words.resize(n + 16);
+  return words.data() + (-(reinterpret_cast<uintptr_t>(words.data()) / 4) & 15);
+}
+
 // n (<= 16) activation rows of row_bytes each as one strided array of 16 rows for an A tile: in place when n == 16
 // and the rows are evenly spaced at least a row apart, else copied into this thread's buffer with the rows past n
 // zero (a tile of fewer rows than it holds; their sums go unused). *stride: the bytes from row to row.

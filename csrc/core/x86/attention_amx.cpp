@@ -42,8 +42,8 @@ struct Scratch {
   Scratch(int64_t d, int64_t dv) {
     thread_local std::vector<uint32_t> words;
     const int64_t q_words = d / 32 * kTileWords;
-    words.resize(q_words + kKeys * kHeads + 4 * kTileWords + 2 * 16 * dv / 2 + kHeads * dv + 16);
-    uint32_t* base = words.data() + (-(reinterpret_cast<uintptr_t>(words.data()) / 4) & 15);
+    uint32_t* base =
+        amx::aligned_words(words, q_words + kKeys * kHeads + 4 * kTileWords + 2 * 16 * dv / 2 + kHeads * dv);
     q = base;
     scores = reinterpret_cast<float*>(q + q_words);
     p = reinterpret_cast<uint32_t*>(scores + kKeys * kHeads);

@@ -28,20 +28,14 @@ namespace {
 constexpr int kRows = 16;  // queries a tile
 constexpr int kStep = 32;  // keys a step: two score tiles, one k-step of P . V
 
-// 64-byte aligned words of this thread's or this call's scratch.
-uint32_t* aligned_words(std::vector<uint32_t>& words, int64_t n) {
-  words.resize(n + 16);
-  return words.data() + (-(reinterpret_cast<uintptr_t>(words.data()) / 4) & 15);
-}
-
 struct Layouts {
   uint32_t* keys;    // [nkv][Lp/16][d/2][16]
   uint32_t* values;  // [nkv][Lp/2][dv]
   int64_t Lp;        // keys rounded up to a step
-  const uint32_t* key_tile(const PrefillAttentionArgs& a, int64_t kv, int64_t j) const {  // j a multiple of 16
+  uint32_t* key_tile(const PrefillAttentionArgs& a, int64_t kv, int64_t j) const {  // j a multiple of 16
     return keys + (kv * Lp + j) * (a.d / 2);
   }
-  const uint32_t* value_pairs(const PrefillAttentionArgs& a, int64_t kv, int64_t j) const {  // j even
+  uint32_t* value_pairs(const PrefillAttentionArgs& a, int64_t kv, int64_t j) const {  // j even
     return values + (kv * Lp + j) / 2 * a.dv;
   }
 };
@@ -52,7 +46,7 @@ void lay_out_tile(const PrefillAttentionArgs& a, const Layouts& lay, int64_t kv,
   const uint16_t* k = static_cast<const uint16_t*>(a.k) + kv * a.k_head_stride;
   const uint16_t* v = static_cast<const uint16_t*>(a.v) + kv * a.v_head_stride;
   const int64_t j0 = 16 * t;
-  uint32_t* kt = const_cast<uint32_t*>(lay.key_tile(a, kv, j0));
+  uint32_t* kt = lay.key_tile(a, kv, j0);
   __m512 r[16];
   for (int64_t c = 0; c < a.d / 32; ++c) {
     for (int j = 0; j < 16; ++j)
@@ -64,7 +58,7 @@ void lay_out_tile(const PrefillAttentionArgs& a, const Layouts& lay, int64_t kv,
                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i low = _mm512_load_si512(kLow), high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
   for (int64_t j = j0; j < j0 + 16; j += 2) {
-    uint32_t* pairs = const_cast<uint32_t*>(lay.value_pairs(a, kv, j));
+    uint32_t* pairs = lay.value_pairs(a, kv, j);
     for (int64_t c = 0; c < a.dv; c += 32) {
       const __m512i x = j < a.L ? _mm512_loadu_si512(v + j * a.v_token_stride + c) : _mm512_setzero_si512();
       const __m512i y = j + 1 < a.L ? _mm512_loadu_si512(v + (j + 1) * a.v_token_stride + c) : _mm512_setzero_si512();
@@ -82,7 +76,7 @@ struct Scratch {
   uint16_t* q;     // [16][d] bf16, a tile of fewer than 16 queries padded with zero rows
   explicit Scratch(const PrefillAttentionArgs& a) {
     thread_local std::vector<uint32_t> words;
-    uint32_t* base = aligned_words(words, kRows * kStep * 3 / 2 + kRows * 16 + kRows * a.dv + kRows * a.d / 2);
+    uint32_t* base = amx::aligned_words(words, kRows * kStep * 3 / 2 + kRows * 16 + kRows * a.dv + kRows * a.d / 2);
     scores = reinterpret_cast<float*>(base);
     p = reinterpret_cast<uint16_t*>(base + kRows * kStep);
     sums = reinterpret_cast<float*>(base + kRows * kStep * 3 / 2);
@@ -90,8 +84,6 @@ struct Scratch {
     q = reinterpret_cast<uint16_t*>(acc + kRows * a.dv);
   }
 };
-
-float reduce_max(__m512 x) { return _mm512_reduce_max_ps(x); }
 
 // Queries [16 qt, 16 qt + n) of query head `head`.
 void query_tile(const PrefillAttentionArgs& a, const Layouts& lay, int64_t head, int64_t qt) {
@@ -159,7 +151,7 @@ void query_tile(const PrefillAttentionArgs& a, const Layouts& lay, int64_t head,
         if (_mm512_mask_cmp_ps_mask(seen[h], x[h], inf, _CMP_NLT_UQ)) unbounded[r] = true;
       }
       uint16_t* p_row = w.p + r * kStep;
-      const float m_new = std::max(m[r], reduce_max(_mm512_max_ps(x[0], x[1])));
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x[0], x[1])));
       if (m_new == neg_inf || unbounded[r]) {  // no key seen yet, or a NaN row: weights 0
         std::memset(p_row, 0, 2 * kStep);
         continue;
@@ -235,8 +227,8 @@ void amx_prefill_attention(const PrefillAttentionArgs& a, const Parallel& parall
   Layouts lay;
   lay.Lp = (a.L + kStep - 1) / kStep * kStep;
   static thread_local std::vector<uint32_t> keys, values;
-  lay.keys = aligned_words(keys, a.nkv * lay.Lp * a.d / 2);
-  lay.values = aligned_words(values, a.nkv * lay.Lp * a.dv / 2);
+  lay.keys = amx::aligned_words(keys, a.nkv * lay.Lp * a.d / 2);
+  lay.values = amx::aligned_words(values, a.nkv * lay.Lp * a.dv / 2);
   const int64_t key_tiles = lay.Lp / 16;
   parallel_items(parallel, a.nkv * key_tiles, [&](int64_t i) { lay_out_tile(a, lay, i / key_tiles, i % key_tiles); });
   // Items heaviest first (the last query tiles see the most keys), so the guided runs end on light ones.
