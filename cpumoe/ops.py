@@ -2,6 +2,8 @@
 torch.compile. Inputs are checked in C++ (csrc/torch/ops.cpp); errors arrive as RuntimeError/ValueError."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cpumoe import _C  # noqa: F401  (loads the library that registers torch.ops.cpumoe)
@@ -207,14 +209,24 @@ def attention_scope(backend: str) -> str:
 
 
 def next_huge_mapping() -> int:
-    """The number the next packed-weight buffer will take (they are numbered in mapping order)."""
+    """The number the next buffer on memory of its own (packed weights, the KV cache) will take (they are numbered
+    in mapping order)."""
     return _C.next_huge_mapping()
 
 
 def huge_mappings_since(number: int) -> list[tuple[int, int]]:
-    """[(address, bytes)] of the live packed-weight buffers numbered `number` or later: what a loader packed, for
-    cpumoe.memory.advised_memory to read their share on huge pages."""
+    """[(address, bytes)] of the live buffers on memory of their own numbered `number` or later: what a loader
+    packed or the KV cache took, for cpumoe.memory.advised_memory to read their share on huge pages."""
     return _C.huge_mappings_since(number)
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled tensor on memory of its own, advised for 2 MB pages and faulted in now (as the packed weights'
+    buffers are): the KV cache, whose decode reads are scattered over many blocks and took a TLB miss every 4 KB."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return _C.zeros_on_huge_pages(nbytes).view(dtype).view(shape)
 
 
 def release_free_memory() -> bool:

@@ -29,7 +29,7 @@ from cpumoe import ops
 from cpumoe.loader import Checkpoint, CheckpointError
 from cpumoe.loader.quantized import QuantizedCheckpoint
 from cpumoe.logs import logger
-from cpumoe.memory import HugePageUse, advised_memory, huge_page_advice
+from cpumoe.memory import HUGE_PAGES_WANTED, HugePageUse, advised_memory, huge_page_advice
 from cpumoe.models.blocks import Attention, ExpertWeights, MoEBlock
 from cpumoe.models.causal_lm import CausalLM
 from cpumoe.models.packed_linear import QuantizedLinear, pack_linears
@@ -57,17 +57,12 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, backend: str 
     return model.eval()
 
 
-# Below this share on 2 MB pages, decode is measurably slower (the last-loaded of seven checkpoints got 45-71%, and
-# its decode speed-up fell with it).
-_HUGE_PAGES_WANTED = 0.9
-
-
 def _log_huge_pages(use: HugePageUse) -> None:
     """The packed weights ask for huge pages; where the kernel gave 4 KB pages instead, say so: the weight stream
     then takes a TLB miss every 4 KB."""
     if use.share is None:
         return
-    if use.share >= _HUGE_PAGES_WANTED:
+    if use.share >= HUGE_PAGES_WANTED:
         logger.info("packed weights: %.2f GB, %.0f%% on 2 MB pages", use.advised_gb, 100 * use.share)
     else:
         logger.warning("packed weights: only %.0f%% of %.2f GB got 2 MB pages; the rest sit on 4 KB pages, which a "

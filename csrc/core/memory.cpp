@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <new>
@@ -87,6 +88,16 @@ void* map_huge(size_t bytes) {
   if (!p) throw std::bad_alloc();
 #endif
   record_mapping(p, size);
+  return p;
+}
+
+void* map_huge_zeroed(size_t bytes) {
+  char* p = static_cast<char*>(map_huge(bytes));
+#if defined(__linux__)
+  for (size_t at = 0; at < bytes; at += 4096) p[at] = 0;  // an anonymous mapping reads as zeros: fault each page in
+#else
+  std::memset(p, 0, bytes);
+#endif
   return p;
 }
 

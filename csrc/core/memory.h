@@ -21,6 +21,10 @@ bool advise_huge_pages(void* p, size_t bytes);
 void* map_huge(size_t bytes);
 void unmap_huge(void* p, size_t bytes);
 
+// map_huge's memory, zero-filled and with every page faulted in now (a buffer written as it goes, such as the KV
+// cache, would otherwise pay a page fault at the first write to each page, in the middle of a step).
+void* map_huge_zeroed(size_t bytes);
+
 // map_huge's buffers are numbered in mapping order. A loader takes next_huge_mapping() before it packs, and
 // huge_mappings_since(that) after: the (address, bytes) of the buffers it mapped that are still live, whose share
 // on huge pages it then reads from /proc (cpumoe/memory.py), unblurred by other buffers freed meanwhile.

@@ -963,9 +963,16 @@ PYBIND11_MODULE(_C, m) {
     return std::make_tuple(c.calls, c.last_ns);
   }, "(calls, ns): the calling thread's fused experts calls so far and the last one's time in its native kernel");
   m.def("next_huge_mapping", &cpumoe::next_huge_mapping,
-        "The number the next packed-weight buffer (map_huge) will take");
+        "The number the next buffer on memory of its own (map_huge: packed weights, the KV cache) will take");
   m.def("huge_mappings_since", &cpumoe::huge_mappings_since, pybind11::arg("number"),
-        "[(address, bytes)] of the live packed-weight buffers numbered `number` or later");
+        "[(address, bytes)] of the live map_huge buffers numbered `number` or later");
+  m.def("zeros_on_huge_pages", [](int64_t bytes) {
+    TORCH_CHECK_VALUE(bytes > 0, "zeros_on_huge_pages needs a positive size, got ", bytes);
+    void* p = cpumoe::map_huge_zeroed(size_t(bytes));
+    return at::from_blob(p, {bytes}, [bytes](void* q) { cpumoe::unmap_huge(q, size_t(bytes)); },
+                         at::TensorOptions().dtype(at::kByte));
+  }, pybind11::arg("bytes"), "A zero-filled uint8 [bytes] tensor on memory of its own, advised for 2 MB pages and "
+     "faulted in (map_huge_zeroed)");
   m.def("release_free_memory", &cpumoe::release_free_memory,
         "Return the allocator's free memory to the OS (malloc_trim); false if nothing was released");
   cpumoe::bind_decode_layer(m);

@@ -80,3 +80,12 @@ def test_empty_packed_stack_keeps_the_record():
                                ops.fused_experts(x, *whole, tw, ti, backend="generic"))
     with pytest.raises(ValueError, match="like is not a weight packed by cpumoe"):
         ops._C.empty_packed_stack(one13.clone(), 2)
+
+
+def test_zeros_on_huge_pages_are_zeros_of_the_shape_asked():
+    t = ops.zeros_on_huge_pages((3, 16, 4, 40), torch.bfloat16)
+    assert t.shape == (3, 16, 4, 40) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % HUGE == 0 and not t.any()
+    t.fill_(1.5)  # writable, and freed on its own (no record to keep)
+    assert ops.zeros_on_huge_pages((2, 16, 1, 0), torch.float32).shape == (2, 16, 1, 0)  # MLA's V: no channels
+
