@@ -109,18 +109,25 @@ class WeightBytes:
 
     def decode_step_floor_s(self, batch: int, mean_context: float, experts_per_layer: float | None,
                             bandwidth_gbs: float, gemm_gflops: float | None) -> float:
-        """The least time a decode step can take, in seconds. The dense weights and then the experts run one after
-        the other, each for the longer of its bytes at the read bandwidth and its FLOPs (2 a weight a token) at
-        the GEMM rate; the KV cache is read at the bandwidth. Attention's arithmetic is not counted, so this
-        stays a bound. gemm_gflops None: bytes only (what decode_step_bytes gives, as time)."""
+        """The least time a decode step can take, in seconds (step_floor_s of `batch` tokens, each sampled)."""
+        return self.step_floor_s(batch, batch, batch * mean_context, experts_per_layer, bandwidth_gbs, gemm_gflops)
+
+    def step_floor_s(self, tokens: int, sampled: int, kv_tokens: float, experts_per_layer: float | None,
+                     bandwidth_gbs: float, gemm_gflops: float | None) -> float:
+        """The least time a step of `tokens` tokens can take, in seconds: `sampled` of them get logits (the lm_head
+        runs for those only) and kv_tokens keys are read from the cache. The dense weights and then the experts run
+        one after the other, each for the longer of its bytes at the read bandwidth and its FLOPs (2 a weight a
+        token) at the GEMM rate; the KV cache is read at the bandwidth. Attention's arithmetic is not counted, so
+        this stays a bound. gemm_gflops None: bytes only (what decode_step_bytes gives, as time)."""
         bw = bandwidth_gbs * 1e9
-        per_layer = self.distinct_experts(batch) if experts_per_layer is None else experts_per_layer
+        per_layer = self.distinct_experts(tokens) if experts_per_layer is None else experts_per_layer
         dense_s, experts_s = self.dense / bw, self.moe_layers * per_layer * self.expert / bw
         if gemm_gflops is not None:
             rate = gemm_gflops * 1e9
-            dense_s = max(dense_s, 2.0 * batch * self.dense_elems / rate)
-            experts_s = max(experts_s, 2.0 * batch * self.moe_layers * self.top_k * self.expert_elems / rate)
-        return dense_s + experts_s + batch * mean_context * self.kv_per_token / bw
+            dense_s = max(dense_s, 2.0 * ((self.dense_elems - self.head_elems) * tokens
+                                          + self.head_elems * sampled) / rate)
+            experts_s = max(experts_s, 2.0 * tokens * self.moe_layers * self.top_k * self.expert_elems / rate)
+        return dense_s + experts_s + kv_tokens * self.kv_per_token / bw
 
     def active_weights(self) -> int:
         """Weights one token multiplies: dense ones and k experts per MoE layer (in elements)."""
@@ -128,7 +135,11 @@ class WeightBytes:
 
     def prefill_flops(self, batch: int, input_len: int) -> float:
         """2 FLOPs per active weight per prompt token, the lm_head once per prompt (only its last token's logits)."""
-        return 2.0 * batch * ((self.active_weights() - self.head_elems) * input_len + self.head_elems)
+        return self.step_flops(batch * input_len, batch)
+
+    def step_flops(self, tokens: int, sampled: int) -> float:
+        """2 FLOPs per active weight per token, the lm_head's only for the `sampled` tokens that get logits."""
+        return 2.0 * ((self.active_weights() - self.head_elems) * tokens + self.head_elems * sampled)
 
 
 def weight_bytes(engine: LLMEngine) -> WeightBytes:

@@ -187,6 +187,22 @@ def test_decode_step_floor_is_bytes_or_flops_whichever_is_longer_per_gemm():
     assert w.decode_step_floor_s(16, 0, 80.0, 10.0, 10.0) == pytest.approx(0.32 + 0.512)
 
 
+def test_step_floor_counts_the_lm_head_for_sampled_tokens_only():
+    """A prompt chunk's tokens but its last get no logits: a step of 2048 tokens, 4 of them sampled, every expert
+    chosen."""
+    w = _weights(head_elems=40_000_000)
+    dense_flops = 2.0 * (60_000_000 * 2048 + 40_000_000 * 4)          # 245.8 GFLOP: 2.458 s at 100 GFLOP/s
+    expert_flops = 2.0 * 2048 * 4 * 8 * 5_000_000                      # 655.4 GFLOP: 6.554 s
+    kv = 2048 * 1000 / 10e9
+    assert w.step_floor_s(2048, 4, 2048, 128.0, 10.0, 100.0) == pytest.approx((dense_flops + expert_flops) / 100e9 + kv)
+    # bytes only: what the same step reads
+    assert w.step_floor_s(2048, 4, 2048, 128.0, 10.0, None) == pytest.approx((200e6 + 4 * 128 * 10e6) / 10e9 + kv)
+    # a decode step is a step whose every token is sampled
+    assert w.decode_step_floor_s(16, 100, 80.0, 10.0, 100.0) == pytest.approx(w.step_floor_s(16, 16, 1600, 80.0, 10.0,
+                                                                                             100.0))
+    assert w.prefill_flops(4, 512) == pytest.approx(w.step_flops(2048, 4))
+
+
 def test_batch_scaling_gives_the_bound_of_bytes_and_gemms_beside_the_bytes_one():
     w = _weights()
     common = dict(backend="x", input_len=100, output_len=20, ttft_ms=1.0, itl_ms=1.0, e2e_s=1.0, throughput_tok_s=1.0,

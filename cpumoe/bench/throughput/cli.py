@@ -1,7 +1,7 @@
 """The parser of `cpumoe bench throughput` (argparse only: the handler imports what it runs).
 
     cpumoe bench throughput MODEL [--num-prompts 32] [--max-concurrency 16] [--input-len 512] [--output-len 128]
-                                  [--max-num-batched-tokens 256,512,2048] [--repeats 1] [--json FILE]
+                                  [--max-num-batched-tokens 256,512,2048] [--repeats 1] [--quick] [--json FILE]
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--repeats", type=positive_int, default=1, help="repetitions of every budget, in turn (default 1)")
     p.add_argument("--seed", type=int, default=0, help="the random prompts (default 0)")
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), help="model dtype (default: the checkpoint's)")
+    p.add_argument("--quick", action="store_true",
+                   help="smaller probes for the step floors (a 256 MiB read, a 1024^3 mm): smoke runs")
     p.add_argument("--json", metavar="FILE", help="also write every run as JSON")
     p.set_defaults(func=_cmd_throughput)
 
@@ -64,9 +66,10 @@ def _cmd_throughput(args) -> int:
         console.print(f"budget {r.max_num_batched_tokens}, run {r.repeat + 1}: {r.output_tok_s:.1f} output tok/s "
                       f"in {r.duration_s:.1f} s")
 
-    results = run_throughput_bench(engine, load, budgets, args.repeats, on_result=progress)
+    results = run_throughput_bench(engine, load, budgets, args.repeats, on_result=progress, quick=args.quick)
     console.print(render_throughput_report(results, load, Path(args.model).name))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": str(args.model), "load": dataclasses.asdict(load),
-                                               "results": [dataclasses.asdict(r) for r in results]}, indent=1))
+                                               "results": [dict(dataclasses.asdict(r), bound_tok_s=r.bound_tok_s)
+                                                           for r in results]}, indent=1))
     return 0
