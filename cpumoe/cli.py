@@ -137,7 +137,8 @@ def _cmd_info(args) -> int:
     else:
         console.print("[bold]prefill attention[/] runs the blocked torch maths "
                       f"({escape(ops.prefill_attention_refusal(torch.bfloat16, 128, 128))})")
-    console.print(f"[bold]huge pages[/] the packed weights ask for 2 MB pages; {escape(huge_page_advice())}")
+    console.print("[bold]huge pages[/] the packed weights and the KV cache ask for 2 MB pages; "
+                  f"{escape(huge_page_advice())}")
 
     preset, dtype = args.preset, args.dtype
     config = experts_config(preset, dtype)

@@ -28,7 +28,7 @@ def test_info_names_choice_and_every_backend(capsys):
     from cpumoe.memory import huge_page_advice
     # the kernel's settings (the free memory after them moves from one read to the next)
     settings = huge_page_advice().split(";")[0]
-    assert f"huge pages the packed weights ask for 2 MB pages; {settings}" in " ".join(out.split())
+    assert f"huge pages the packed weights and the KV cache ask for 2 MB pages; {settings}" in " ".join(out.split())
 
 
 def test_info_fp16_rejects_bf16_only_backends(capsys):

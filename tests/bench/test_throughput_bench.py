@@ -18,7 +18,8 @@ def checkpoint(tmp_path_factory):
 def test_throughput_accounts_for_every_token(checkpoint, tmp_path, capsys):
     out = tmp_path / "tp.json"
     assert main(["bench", "throughput", str(checkpoint), "--num-prompts", "7", "--max-concurrency", "3",
-                 "--input-len", "20", "--output-len", "5", "--max-num-batched-tokens", "8,64", "--repeats", "2", "--quick",
+                 "--input-len", "20", "--output-len", "5", "--max-num-batched-tokens", "8,64", "--repeats", "2",
+                 "--quick",
                  "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["load"] == {"num_prompts": 7, "max_concurrency": 3, "input_len": 20, "output_len": 5,
