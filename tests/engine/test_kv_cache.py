@@ -10,7 +10,7 @@ import torch
 from cpumoe.attention.layout import KVCacheLayout
 from cpumoe.engine import kv_cache
 from cpumoe.engine.kv_cache import KVCache
-from cpumoe.memory import HugePageUse
+from cpumoe.memory import HUGE_PAGES_WANTED, HugePageUse
 from tests.kernels.test_huge_pages import HUGE, _thp_on_request, huge_page_bytes
 
 LAYOUT = KVCacheLayout(num_kv_heads=4, k_dim=128, v_dim=128)
@@ -22,7 +22,7 @@ def test_kv_cache_sits_on_huge_pages():
     """A decode step reads each sequence's keys block by block from anywhere in the cache: on 4 KB pages each block
     was a TLB miss."""
     cache = KVCache(num_layers=2, num_blocks=512, block_size=16, layout=LAYOUT, dtype=torch.bfloat16)  # 4 MB each
-    assert cache.huge_pages.share is not None and cache.huge_pages.share >= 0.9
+    assert cache.huge_pages.share is not None and cache.huge_pages.share >= HUGE_PAGES_WANTED
     for k, v in cache.layers:
         for t in (k, v):
             assert t.shape == (512, 16, 4, 128) and t.data_ptr() % HUGE == 0 and not t.any()

@@ -88,4 +88,3 @@ def test_zeros_on_huge_pages_are_zeros_of_the_shape_asked():
     assert t.data_ptr() % HUGE == 0 and not t.any()
     t.fill_(1.5)  # writable, and freed on its own (no record to keep)
     assert ops.zeros_on_huge_pages((2, 16, 1, 0), torch.float32).shape == (2, 16, 1, 0)  # MLA's V: no channels
-

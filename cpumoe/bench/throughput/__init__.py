@@ -135,7 +135,7 @@ def run_load(engine: LLMEngine, prompts: list[list[int]], load: Load, budget: in
     riding = prefill_tokens = decode_only_decodes = 0
     next_prompt = in_flight = done = tokens = 0
     with ExpertCounter(engine.model) as counter:
-        counter.counting = True
+        counter.counting = probes is not None   # the experts a step chose, for its floor
         start = time.perf_counter()
         while done < len(prompts):
             while in_flight < load.max_concurrency and next_prompt < len(prompts):
